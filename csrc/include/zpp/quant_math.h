@@ -1,0 +1,169 @@
+// Index, packing and rounding math shared by the C++ (CPU) and CUDA kernels.
+//
+// Everything that decides *which bits* end up on the wire lives here, so the CPU
+// kernels (tested on every CI run) and the CUDA kernels (compiled in CI, run on
+// GPU machines) cannot drift apart. The pure-PyTorch reference in
+// megatron_zpp/compression/reference.py implements the same rules and is the
+// test oracle; docs/format: megatron_zpp/compression/blockwise.md.
+//
+// Numerics contract (all float32, no FMA contraction anywhere: CPU sources are
+// built with -ffp-contract=off and device code uses the _rn intrinsics):
+//   absmax  = max |x| over the block (partial last block: over its valid elements)
+//   scale   = absmax / qmax                     (stored, fp32)
+//   block has a NaN/Inf element -> scale = NaN, every q = 0  (decodes as NaN)
+//   q       = scale > 0 ? clamp(round(x / scale), -qmax, qmax) : 0
+//             round = nearest-even, or floor(v + u) with u in [0,1) from the
+//             counter-based hash below (stochastic rounding)
+//   decode  = q * scale, then cast to the output dtype (round-to-nearest-even)
+//   reduce  = acc = 0; for c in chunks: acc = acc + q_c * scale_c  (chunk order)
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+
+#if defined(__CUDACC__)
+#define ZPP_HD __host__ __device__ __forceinline__
+#else
+#define ZPP_HD inline
+#endif
+
+namespace zpp {
+
+// ---------------------------------------------------------------- layout ----
+// A "row" is the packed form of L consecutive elements:
+//   [ float32 scales x num_blocks(L) | data bytes, zero-padded to 4 bytes ]
+// Rows of equal L are stacked as uint8[R][row_bytes(L)]; row_bytes is a
+// multiple of 4, so every row's scales are 4-byte aligned.
+
+ZPP_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+ZPP_HD int64_t align4(int64_t n) { return (n + 3) & ~int64_t(3); }
+ZPP_HD int qmax_for_bits(int bits) { return bits == 8 ? 127 : 7; }
+ZPP_HD int64_t num_blocks(int64_t numel, int64_t block) { return ceil_div(numel, block); }
+ZPP_HD int64_t data_bytes(int64_t numel, int bits) { return align4(ceil_div(numel * bits, 8)); }
+ZPP_HD int64_t row_bytes(int64_t numel, int bits, int64_t block) {
+  return 4 * num_blocks(numel, block) + data_bytes(numel, bits);
+}
+
+// --------------------------------------------------- qgZ slice reordering ----
+// ZeRO++ Algorithm 2 (generalized tensor slice reordering). W = node_size*nodes
+// devices; a gradient buffer is cut into stages*W slices. partition_id
+// enumerates (stage, destination rank) stage-major: partition_id = stage*W + p,
+// with destination p = node*node_size + local. The returned slot is where that
+// slice goes so that the intra-node all-to-all hands local rank `local` the
+// slices of *all* nodes for its local index: slot = stage*W + local*nodes + node.
+// (The paper's extracted text swaps the labels of lines 2-3; this is the reading
+// that is a permutation and reproduces its Eq. (2) and Figure 9.)
+ZPP_HD int64_t alg2_mapped_partition(int64_t partition_id, int64_t stages,
+                                     int64_t node_size, int64_t nodes) {
+  (void)stages;
+  const int64_t total_devices = node_size * nodes;
+  const int64_t stage_id = partition_id / total_devices;
+  const int64_t chunk_id = partition_id % total_devices;
+  const int64_t pipeline_offset = stage_id * total_devices;
+  const int64_t chunk_offset = chunk_id / node_size;          // node of the destination
+  const int64_t chunk_base = (chunk_id % node_size) * nodes;  // its local index * nodes
+  return pipeline_offset + chunk_base + chunk_offset;
+}
+
+// Memory order of the input slices: slice (stage s, destination p) sits at
+// input row p*stages + s, so destination p's slices are contiguous and the
+// final shard of rank p is exactly what reduce_scatter_tensor would give it.
+ZPP_HD int64_t reorder_slot_of_input_row(int64_t input_row, int64_t stages,
+                                         int64_t node_size, int64_t nodes) {
+  const int64_t total_devices = node_size * nodes;
+  const int64_t dest = input_row / stages;
+  const int64_t stage = input_row % stages;
+  return alg2_mapped_partition(stage * total_devices + dest, stages, node_size, nodes);
+}
+
+// ------------------------------------------------------------- rounding ----
+// 32-bit integer hash (Wellons' "lowbias32" constants): cheap, well mixed,
+// and identical on host and device.
+ZPP_HD uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+
+// Uniform in [0, 1) with 24 bits, a pure function of (seed, element index), so
+// stochastic rounding is reproducible and independent of thread scheduling.
+ZPP_HD float stochastic_uniform(uint64_t seed, uint64_t index) {
+  uint32_t h = mix32(static_cast<uint32_t>(seed) ^ mix32(static_cast<uint32_t>(seed >> 32)));
+  h = mix32(h ^ static_cast<uint32_t>(index));
+  h = mix32(h ^ static_cast<uint32_t>(index >> 32));
+  return static_cast<float>(h >> 8) * (1.0f / 16777216.0f);
+}
+
+ZPP_HD float f32_div(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+ZPP_HD float f32_mul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+ZPP_HD float f32_add(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+// Round half to even for |v| < 2^22 without a libm call: adding and removing
+// 1.5*2^23 leaves the FPU's default rounding (nearest-even) to do the work.
+// Vectorizes to two adds; exact for the clamped range used here.
+ZPP_HD float round_nearest_even(float v) {
+  const float magic = 12582912.0f;  // 1.5 * 2^23
+  return f32_add(f32_add(v, magic), -magic);
+}
+
+// Scale of a block from its absmax and "saw a NaN/Inf" flag.
+ZPP_HD float block_scale(float absmax, bool nonfinite, int qmax) {
+  if (nonfinite) return __builtin_nanf("");
+  return f32_div(absmax, static_cast<float>(qmax));
+}
+
+// Quantize one finite value of a block with a finite scale. Clamping before
+// rounding is equivalent to after (qmax is an integer) and keeps |v| small.
+ZPP_HD int quantize_nearest(float x, float scale, int qmax) {
+  if (!(scale > 0.0f)) return 0;
+  float v = f32_div(x, scale);
+  const float fq = static_cast<float>(qmax);
+  v = v > fq ? fq : v;
+  v = v < -fq ? -fq : v;
+  return static_cast<int>(round_nearest_even(v));
+}
+
+ZPP_HD int quantize_stochastic(float x, float scale, int qmax, float u) {
+  if (!(scale > 0.0f)) return 0;
+  float v = f32_div(x, scale);
+  const float fq = static_cast<float>(qmax);
+  v = v > fq ? fq : v;
+  v = v < -fq ? -fq : v;
+  float r = floorf(f32_add(v, u));
+  r = r > fq ? fq : r;  // v == qmax with u > 0 must not round up past qmax
+  return static_cast<int>(r);
+}
+
+// -------------------------------------------------------------- packing ----
+// INT8: one two's-complement byte per value. INT4: two values per byte, element
+// 2i in the LOW nibble and element 2i+1 in the HIGH nibble, each a 4-bit two's
+// complement number in [-7, 7] (DeepSpeed's order is the opposite; ours is the
+// little-endian order most packers use). An odd tail leaves the high nibble 0.
+ZPP_HD uint8_t pack_int4(int lo, int hi) {
+  return static_cast<uint8_t>((lo & 0xF) | ((hi & 0xF) << 4));
+}
+ZPP_HD int unpack_int4_lo(uint8_t b) { return static_cast<int8_t>(static_cast<uint8_t>(b << 4)) >> 4; }
+ZPP_HD int unpack_int4_hi(uint8_t b) { return static_cast<int8_t>(b) >> 4; }
+
+}  // namespace zpp

@@ -1,0 +1,94 @@
+"""Finds the compiled ``torch.ops.megatron_zpp`` kernels, building the CPU ones on first use if needed.
+
+Order: the extension built by ``pip install`` (``megatron_zpp._C``), else a JIT
+build of ``csrc/`` cached under ``$ZPP_EXTENSION_DIR`` (default
+``~/.cache/megatron_zpp``), else nothing: callers then use the pure-PyTorch
+reference and ``kernels_available()`` says why. ``ZPP_JIT=0`` disables the JIT
+build (e.g. where no compiler is installed).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+_CSRC = Path(__file__).resolve().parents[2] / "csrc"
+
+# -ffp-contract=off: an FMA would round differently from the reference's
+# separate multiply and add (bit-exactness is tested). -march=native: the
+# extension is built on the machine that runs it (install or JIT).
+CPU_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++20"]
+
+_load_error: str | None = None
+
+
+def cpu_sources() -> list[Path]:
+    return [_CSRC / "ops_registration.cpp", _CSRC / "cpu" / "quant_cpu.cpp"]
+
+
+def include_dirs() -> list[Path]:
+    return [_CSRC / "include"]
+
+
+def _has_ops() -> bool:
+    return hasattr(torch.ops, "megatron_zpp") and hasattr(torch.ops.megatron_zpp, "quantize_rows_")
+
+
+@functools.cache
+def load() -> bool:
+    """Load the kernels once; True when ``torch.ops.megatron_zpp`` has CPU implementations."""
+    global _load_error
+    try:
+        import megatron_zpp._C  # noqa: F401  (registers the ops on import)
+        return _has_ops()
+    except ImportError as exc:
+        _load_error = f"megatron_zpp._C is not built ({exc})"
+    if os.environ.get("ZPP_JIT", "1") == "0":
+        _load_error += "; ZPP_JIT=0 disables the JIT build"
+        return False
+    if not all(p.exists() for p in cpu_sources()):
+        _load_error += f"; no C++ sources at {_CSRC} to JIT-build from"
+        return False
+    try:
+        from torch.utils.cpp_extension import load as jit_load
+
+        build_dir = Path(os.environ.get("ZPP_EXTENSION_DIR", Path.home() / ".cache" / "megatron_zpp"))
+        build_dir = build_dir / f"torch{torch.__version__.split('+')[0]}"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        jit_load(
+            name="megatron_zpp_C",
+            sources=[str(p) for p in cpu_sources()],
+            extra_include_paths=[str(p) for p in include_dirs()],
+            extra_cflags=CPU_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=os.environ.get("ZPP_JIT_VERBOSE") == "1",
+        )
+        return _has_ops()
+    except Exception as exc:  # compiler missing, headers missing, ...
+        _load_error += f"; JIT build failed: {exc}"
+        warnings.warn(
+            f"megatron_zpp: C++ kernels unavailable, using the pure-PyTorch reference (slow). {_load_error}. "
+            "Build them with `pip install --no-build-isolation -e .` (needs a C++ compiler).",
+            stacklevel=2,
+        )
+        return False
+
+
+def load_error() -> str | None:
+    return _load_error
+
+
+def has_cuda_kernels() -> bool:
+    """True when the extension was built with its CUDA implementations."""
+    if not load():
+        return False
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key("megatron_zpp::quantize_rows_", "CUDA")
+    except Exception:
+        return False

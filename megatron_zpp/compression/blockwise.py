@@ -1,0 +1,76 @@
+"""Blocked symmetric INT8 / INT4 quantization codecs (``int8:...``, ``int4:...``).
+
+Format, rounding and NaN rules: ``blockwise.md`` beside this file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from megatron_zpp.compression import layout, ops
+from megatron_zpp.compression.base import Codec, Packed
+from megatron_zpp.compression.reference import _mix32_int
+
+MAX_BLOCK = 1 << 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class Int8Config:
+    block: int = 256
+    """Elements per quantization block, each with one fp32 scale; a positive multiple of 8.
+    Smaller blocks cost more scale bytes (4/block per element) and give lower error."""
+    rounding: Literal["nearest", "stochastic"] = "nearest"
+    """``nearest``: round half to even. ``stochastic``: unbiased floor(v + u), u ~ U[0, 1)."""
+    seed: int = 0
+    """Base seed of stochastic rounding; each encode call advances a counter mixed into it."""
+
+    def __post_init__(self) -> None:
+        if not (8 <= self.block <= MAX_BLOCK and self.block % 8 == 0):
+            raise ValueError(f"block={self.block} is not valid; valid: a multiple of 8 in [8, {MAX_BLOCK}]")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Int4Config(Int8Config):
+    block: int = 128
+    """Elements per quantization block, each with one fp32 scale; a positive multiple of 8.
+    INT4 has only 15 levels, so it defaults to a smaller block than INT8."""
+
+
+class BlockwiseQuantCodec(Codec):
+    """Per-block absmax scale (fp32), symmetric INT8 or INT4 (two values per byte, low nibble first)."""
+
+    lossless = False
+
+    def __init__(self, bits: int, config: Int8Config, spec: str) -> None:
+        self.bits = bits
+        self.qmax = layout.qmax_for_bits(bits)
+        self.block = config.block
+        self.stochastic = config.rounding == "stochastic"
+        self.seed = config.seed
+        self.spec = spec
+        self._calls = 0
+
+    def next_seed(self) -> int:
+        """Seed for the next stochastic encode: a fresh stream per call, reproducible from ``seed``."""
+        self._calls += 1
+        return (_mix32_int(self.seed) << 32) | _mix32_int(self.seed ^ _mix32_int(self._calls))
+
+    def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        if numel < 0:
+            raise ValueError(f"numel={numel} must be >= 0")
+        return layout.row_bytes(numel, self.bits, self.block)
+
+    def encode(self, x: torch.Tensor) -> Packed:
+        seed = self.next_seed() if self.stochastic else 0
+        packed = ops.quantize(x.contiguous(), self.bits, self.block, stochastic=self.stochastic, seed=seed)
+        return Packed(payload=packed.view(-1), shape=x.shape, dtype=x.dtype)
+
+    def decode(self, packed: Packed) -> torch.Tensor:
+        expected = self.wire_bytes(packed.numel)
+        if packed.payload.dtype != torch.uint8 or packed.payload.numel() != expected:
+            raise ValueError(f"{self.spec}: payload has {packed.payload.numel()} {packed.payload.dtype} "
+                             f"elements; {packed.numel} values need {expected} uint8 bytes")
+        return ops.dequantize(packed.payload.view(1, -1), packed.shape, packed.dtype, self.bits, self.block)

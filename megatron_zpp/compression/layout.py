@@ -1,0 +1,67 @@
+"""Sizes and index math of the blocked-quantization wire format.
+
+Mirrors ``csrc/include/zpp/quant_math.h`` line for line; the format itself is
+documented in ``blockwise.md`` beside this file. A *row* is the packed form of
+``L`` consecutive elements::
+
+    [ float32 scales x num_blocks(L) | data bytes, zero-padded to a multiple of 4 ]
+
+Rows of equal ``L`` stack as ``uint8[R, row_bytes(L)]``.
+"""
+
+from __future__ import annotations
+
+SUPPORTED_BITS = (4, 8)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def align4(n: int) -> int:
+    return (n + 3) & ~3
+
+
+def qmax_for_bits(bits: int) -> int:
+    """Largest quantized magnitude: symmetric [-qmax, qmax], so -128 / -8 are never used."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits={bits} is not supported; valid: {SUPPORTED_BITS}")
+    return 127 if bits == 8 else 7
+
+
+def num_blocks(numel: int, block: int) -> int:
+    return ceil_div(numel, block)
+
+
+def data_bytes(numel: int, bits: int) -> int:
+    return align4(ceil_div(numel * bits, 8))
+
+
+def row_bytes(numel: int, bits: int, block: int) -> int:
+    """Bytes of one packed row of ``numel`` elements (scales + padded data)."""
+    return 4 * num_blocks(numel, block) + data_bytes(numel, bits)
+
+
+def alg2_mapped_partition(partition_id: int, stages: int, node_size: int, nodes: int) -> int:
+    """ZeRO++ Algorithm 2: the slot of slice ``partition_id = stage * W + dest``.
+
+    ``W = node_size * nodes`` and ``dest = node * node_size + local``. The slot is
+    ``stage * W + local * nodes + node``: the intra-node all-to-all then gives
+    local rank ``local`` the slices that every node's rank ``local`` will own.
+    The paper's extracted text swaps the labels of its lines 2-3; this reading is
+    the one that is a permutation and reproduces Eq. (2) and Figure 9.
+    """
+    total_devices = node_size * nodes
+    stage_id = partition_id // total_devices
+    chunk_id = partition_id % total_devices
+    pipeline_offset = stage_id * total_devices
+    chunk_offset = chunk_id // node_size
+    chunk_base = (chunk_id % node_size) * nodes
+    return pipeline_offset + chunk_base + chunk_offset
+
+
+def reorder_slot_of_input_row(input_row: int, stages: int, node_size: int, nodes: int) -> int:
+    """Slot of input row ``dest * stages + stage`` (each destination's slices are contiguous)."""
+    total_devices = node_size * nodes
+    dest, stage = divmod(input_row, stages)
+    return alg2_mapped_partition(stage * total_devices + dest, stages, node_size, nodes)

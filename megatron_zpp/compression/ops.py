@@ -1,0 +1,160 @@
+"""The blocked-quantization ops: validation plus dispatch to the kernels or the reference.
+
+Five out-variant ops (write into caller-owned buffers, so collectives can reuse
+them), each with a C++ CPU kernel, a CUDA kernel and a pure-PyTorch reference
+that agree bit for bit:
+
+==============================  =====================================================
+``quantize_rows_``              x (R*L floats) -> packed uint8 [R, row_bytes(L)]
+``reorder_quantize_``           same, rows permuted by ZeRO++ Algorithm 2 (qgZ)
+``dequantize_rows_``            packed [R, row_bytes(L)] -> out (R*L, fp32/bf16/fp16)
+``dequant_reduce_quantize_``    packed [C, K, row_bytes] -> sum over C -> packed [K, ...]
+``dequant_reduce_``             packed [C, K, row_bytes] -> sum over C / divisor -> out
+==============================  =====================================================
+
+``backend`` selects ``"auto"`` (kernels when built for the tensor's device, else
+the reference), ``"kernel"`` (error if not built) or ``"reference"``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_zpp.compression import _extension, layout, reference
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BACKENDS = ("auto", "kernel", "reference")
+
+
+def kernels_available(device: torch.device | str = "cpu") -> bool:
+    device = torch.device(device)
+    if device.type == "cpu":
+        return _extension.load()
+    if device.type == "cuda":
+        return _extension.has_cuda_kernels()
+    return False
+
+
+def _impl(name: str, device: torch.device, backend: str):
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if backend == "reference":
+        return getattr(reference, name)
+    if kernels_available(device):
+        return getattr(torch.ops.megatron_zpp, name)
+    if backend == "kernel":
+        raise RuntimeError(
+            f"megatron_zpp kernels are not available for device {device}: {_extension.load_error()}"
+        )
+    return getattr(reference, name)
+
+
+def _check_float(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; valid: {', '.join(map(str, FLOAT_DTYPES))}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_packed(name: str, packed: torch.Tensor, ndim: int, device: torch.device) -> None:
+    if packed.dtype != torch.uint8 or packed.dim() != ndim or not packed.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous {ndim}-D uint8 tensor, got {packed.dtype} "
+                         f"of shape {tuple(packed.shape)}")
+    if packed.device != device:
+        raise ValueError(f"{name} is on {packed.device}, expected {device}")
+
+
+def _check_bits_block(bits: int, block: int) -> None:
+    layout.qmax_for_bits(bits)
+    if block <= 0 or block % 8:
+        raise ValueError(f"block={block} must be a positive multiple of 8")
+
+
+def _rows_length(total: int, rows: int, what: str) -> int:
+    if rows <= 0 or total % rows:
+        raise ValueError(f"{what}: {total} elements do not split into {rows} equal rows")
+    return total // rows
+
+
+def _check_row_bytes(name: str, packed: torch.Tensor, length: int, bits: int, block: int) -> None:
+    expected = layout.row_bytes(length, bits, block)
+    if packed.shape[-1] != expected:
+        raise ValueError(f"{name} rows have {packed.shape[-1]} bytes; rows of {length} elements at "
+                         f"bits={bits}, block={block} need {expected}")
+
+
+def quantize_rows_(x, packed, bits, block, stochastic=False, seed=0, *, backend="auto") -> None:
+    _check_float("x", x)
+    _check_bits_block(bits, block)
+    _check_packed("packed", packed, 2, x.device)
+    length = _rows_length(x.numel(), packed.shape[0], "quantize_rows_")
+    _check_row_bytes("packed", packed, length, bits, block)
+    _impl("quantize_rows_", x.device, backend)(x, packed, bits, block, stochastic, seed)
+
+
+def reorder_quantize_(x, packed, bits, block, nodes, node_size, stages=1, stochastic=False, seed=0,
+                      *, backend="auto") -> None:
+    _check_float("x", x)
+    _check_bits_block(bits, block)
+    _check_packed("packed", packed, 2, x.device)
+    for what, v in (("nodes", nodes), ("node_size", node_size), ("stages", stages)):
+        if v < 1:
+            raise ValueError(f"{what}={v} must be >= 1")
+    num_rows = nodes * node_size * stages
+    if packed.shape[0] != num_rows:
+        raise ValueError(f"packed has {packed.shape[0]} rows; stages*nodes*node_size = {num_rows}")
+    length = _rows_length(x.numel(), num_rows, "reorder_quantize_")
+    _check_row_bytes("packed", packed, length, bits, block)
+    _impl("reorder_quantize_", x.device, backend)(
+        x, packed, bits, block, nodes, node_size, stages, stochastic, seed)
+
+
+def dequantize_rows_(packed, out, bits, block, *, backend="auto") -> None:
+    _check_float("out", out)
+    _check_bits_block(bits, block)
+    _check_packed("packed", packed, 2, out.device)
+    length = _rows_length(out.numel(), packed.shape[0], "dequantize_rows_")
+    _check_row_bytes("packed", packed, length, bits, block)
+    _impl("dequantize_rows_", out.device, backend)(packed, out, bits, block)
+
+
+def dequant_reduce_quantize_(packed_in, packed_out, row_numel, bits_in, block_in, bits_out, block_out,
+                             stochastic=False, seed=0, *, backend="auto") -> None:
+    _check_bits_block(bits_in, block_in)
+    _check_bits_block(bits_out, block_out)
+    _check_packed("packed_in", packed_in, 3, packed_in.device)
+    _check_packed("packed_out", packed_out, 2, packed_in.device)
+    if packed_out.shape[0] != packed_in.shape[1]:
+        raise ValueError(f"packed_out has {packed_out.shape[0]} rows, packed_in chunks have {packed_in.shape[1]}")
+    _check_row_bytes("packed_in", packed_in, row_numel, bits_in, block_in)
+    _check_row_bytes("packed_out", packed_out, row_numel, bits_out, block_out)
+    _impl("dequant_reduce_quantize_", packed_in.device, backend)(
+        packed_in, packed_out, row_numel, bits_in, block_in, bits_out, block_out, stochastic, seed)
+
+
+def dequant_reduce_(packed_in, out, bits, block, divisor=1.0, *, backend="auto") -> None:
+    _check_float("out", out)
+    _check_bits_block(bits, block)
+    _check_packed("packed_in", packed_in, 3, out.device)
+    length = _rows_length(out.numel(), packed_in.shape[1], "dequant_reduce_")
+    _check_row_bytes("packed_in", packed_in, length, bits, block)
+    if not divisor > 0:
+        raise ValueError(f"divisor={divisor} must be > 0")
+    _impl("dequant_reduce_", out.device, backend)(packed_in, out, bits, block, float(divisor))
+
+
+# ------------------------------------------------- allocating helpers -------
+def quantize(x: torch.Tensor, bits: int, block: int, *, rows: int = 1, stochastic: bool = False,
+             seed: int = 0, backend: str = "auto") -> torch.Tensor:
+    """Allocate and fill packed ``uint8[rows, row_bytes(numel / rows)]`` for ``x``."""
+    length = _rows_length(x.numel(), rows, "quantize") if x.numel() else 0
+    packed = torch.empty(rows, layout.row_bytes(length, bits, block), dtype=torch.uint8, device=x.device)
+    quantize_rows_(x.contiguous(), packed, bits, block, stochastic, seed, backend=backend)
+    return packed
+
+
+def dequantize(packed: torch.Tensor, shape, dtype: torch.dtype, bits: int, block: int, *,
+               backend: str = "auto") -> torch.Tensor:
+    out = torch.empty(shape, dtype=dtype, device=packed.device)
+    dequantize_rows_(packed, out, bits, block, backend=backend)
+    return out
