@@ -176,4 +176,5 @@ def dequant_reduce_(packed_in: torch.Tensor, out: torch.Tensor, bits: int, block
     rows = packed_in.shape[1]
     length = out.numel() // rows if rows else 0
     acc = _reduce_chunks(packed_in, length, bits, block)
-    out.copy_((acc / divisor).reshape(out.shape))
+    # A tensor divisor: CUDA turns division by a Python scalar into a multiply by its reciprocal.
+    out.copy_((acc / torch.full_like(acc, divisor)).reshape(out.shape))

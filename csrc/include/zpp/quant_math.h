@@ -133,27 +133,29 @@ ZPP_HD float block_scale(float absmax, bool nonfinite, int qmax) {
   return f32_div(absmax, static_cast<float>(qmax));
 }
 
-// Quantize one finite value of a block with a finite scale. Clamping before
-// rounding is equivalent to after (qmax is an integer) and keeps |v| small.
-ZPP_HD int quantize_nearest(float x, float scale, int qmax) {
-  if (!(scale > 0.0f)) return 0;
+// Quantize one value of a block whose scale is finite and > 0 (callers check
+// the block once: a zero or NaN scale means every q of the block is 0).
+// Clamping before rounding equals clamping after (qmax is an integer) and keeps
+// |v| small enough for round_nearest_even.
+ZPP_HD int quantize_nearest_unchecked(float x, float scale, float fqmax) {
   float v = f32_div(x, scale);
-  const float fq = static_cast<float>(qmax);
-  v = v > fq ? fq : v;
-  v = v < -fq ? -fq : v;
+  v = v > fqmax ? fqmax : v;
+  v = v < -fqmax ? -fqmax : v;
   return static_cast<int>(round_nearest_even(v));
 }
 
-ZPP_HD int quantize_stochastic(float x, float scale, int qmax, float u) {
-  if (!(scale > 0.0f)) return 0;
+// Stochastic rounding: floor(v + u), u in [0, 1); unbiased. v == qmax with
+// u > 0 must not round past qmax, hence the second clamp.
+ZPP_HD int quantize_stochastic_unchecked(float x, float scale, float fqmax, float u) {
   float v = f32_div(x, scale);
-  const float fq = static_cast<float>(qmax);
-  v = v > fq ? fq : v;
-  v = v < -fq ? -fq : v;
+  v = v > fqmax ? fqmax : v;
+  v = v < -fqmax ? -fqmax : v;
   float r = floorf(f32_add(v, u));
-  r = r > fq ? fq : r;  // v == qmax with u > 0 must not round up past qmax
+  r = r > fqmax ? fqmax : r;
   return static_cast<int>(r);
 }
+
+ZPP_HD bool scale_is_usable(float scale) { return scale > 0.0f; }  // false for 0 and NaN
 
 // -------------------------------------------------------------- packing ----
 // INT8: one two's-complement byte per value. INT4: two values per byte, element

@@ -1,0 +1,51 @@
+"""Builds megatron_zpp and its kernel extension ``megatron_zpp._C``.
+
+CPU kernels always; CUDA kernels too when ``ZPP_BUILD_CUDA=1`` or when a CUDA
+toolkit is found and ``ZPP_BUILD_CUDA`` is not ``0``. Needs torch at build time:
+install with ``pip install --no-build-isolation -e .`` (the Makefile does).
+Package metadata and dependency pins live in pyproject.toml.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+
+def extensions():
+    try:
+        from torch.utils import cpp_extension
+    except ImportError:  # metadata-only invocations (e.g. an sdist without torch)
+        return [], {}
+    from megatron_zpp.compression._extension import CPU_CFLAGS
+
+    sources = ["csrc/ops_registration.cpp", "csrc/cpu/quant_cpu.cpp"]
+    include_dirs = [str(ROOT / "csrc" / "include")]
+    want_cuda = os.environ.get("ZPP_BUILD_CUDA")
+    if want_cuda == "1" or (want_cuda != "0" and cpp_extension.CUDA_HOME is not None):
+        from tools.cuda_build import NVCC_FLAGS
+
+        ext = cpp_extension.CUDAExtension(
+            "megatron_zpp._C",
+            sources + ["csrc/cuda/quant_cuda_binding.cpp", "csrc/cuda/quant_kernels.cu"],
+            include_dirs=include_dirs,
+            extra_compile_args={"cxx": CPU_CFLAGS + ["-DZPP_WITH_CUDA"], "nvcc": NVCC_FLAGS},
+            extra_link_args=["-fopenmp"],
+        )
+    else:
+        ext = cpp_extension.CppExtension(
+            "megatron_zpp._C",
+            sources,
+            include_dirs=include_dirs,
+            extra_compile_args={"cxx": CPU_CFLAGS},
+            extra_link_args=["-fopenmp"],
+        )
+    return [ext], {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = extensions()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)
