@@ -21,14 +21,12 @@ def extensions():
         from torch.utils import cpp_extension
     except ImportError:  # metadata-only invocations (e.g. an sdist without torch)
         return [], {}
-    from megatron_zpp.compression._extension import CPU_CFLAGS
+    from megatron_zpp.compression._extension import CPU_CFLAGS, NVCC_FLAGS
 
     sources = ["csrc/ops_registration.cpp", "csrc/cpu/quant_cpu.cpp"]
     include_dirs = [str(ROOT / "csrc" / "include")]
     want_cuda = os.environ.get("ZPP_BUILD_CUDA")
     if want_cuda == "1" or (want_cuda != "0" and cpp_extension.CUDA_HOME is not None):
-        from tools.cuda_build import NVCC_FLAGS
-
         ext = cpp_extension.CUDAExtension(
             "megatron_zpp._C",
             sources + ["csrc/cuda/quant_cuda_binding.cpp", "csrc/cuda/quant_kernels.cu"],

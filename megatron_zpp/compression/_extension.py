@@ -23,6 +23,13 @@ _CSRC = Path(__file__).resolve().parents[2] / "csrc"
 # extension is built on the machine that runs it (install or JIT).
 CPU_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++20"]
 
+# Ampere (A100) and Hopper (H100/H200). --fmad=false backs up the explicit _rn
+# intrinsics: device code must not contract multiply+add either.
+CUDA_ARCHS = ("80", "90")
+NVCC_FLAGS = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "--fmad=false"] + [
+    f"-gencode=arch=compute_{a},code=sm_{a}" for a in CUDA_ARCHS
+]
+
 _load_error: str | None = None
 
 

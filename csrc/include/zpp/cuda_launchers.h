@@ -1,0 +1,32 @@
+// Plain-C++ entry points of the CUDA kernels (csrc/cuda/quant_kernels.cu). No
+// torch headers on either side of this boundary, so nvcc compiles the kernels
+// in seconds; the torch binding (quant_cuda_binding.cpp) validates arguments.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace zpp {
+namespace cuda {
+
+enum class FloatType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// Row r of x (R rows of `length`) goes to packed row reorder_slot_of_input_row(r)
+// when reorder != 0 (stages, node_size, nodes used), else to row r.
+void launch_quantize_rows(const void* x, FloatType type, uint8_t* packed, int64_t rows, int64_t length, int bits,
+                          int64_t block, bool stochastic, uint64_t seed, bool reorder, int64_t nodes,
+                          int64_t node_size, int64_t stages, cudaStream_t stream);
+
+void launch_dequantize_rows(const uint8_t* packed, void* out, FloatType type, int64_t rows, int64_t length, int bits,
+                            int64_t block, cudaStream_t stream);
+
+// packed_in: [chunks][rows][row_bytes(length, bits_in, block_in)].
+void launch_dequant_reduce_quantize(const uint8_t* packed_in, uint8_t* packed_out, int64_t chunks, int64_t rows,
+                                    int64_t length, int bits_in, int64_t block_in, int bits_out, int64_t block_out,
+                                    bool stochastic, uint64_t seed, cudaStream_t stream);
+
+void launch_dequant_reduce(const uint8_t* packed_in, void* out, FloatType type, int64_t chunks, int64_t rows,
+                           int64_t length, int bits, int64_t block, float divisor, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace zpp

@@ -1,0 +1,75 @@
+"""Compile-check the CUDA sources without a GPU (CI runs this).
+
+Compiles ``csrc/cuda/quant_kernels.cu`` with ``nvcc`` for every architecture in
+``CUDA_ARCHS`` (sm_80, sm_90) and the torch binding ``quant_cuda_binding.cpp``
+with the host compiler against torch's and CUDA's headers. Nothing is linked or
+run. ``nvcc`` comes from the pip package ``nvidia-cuda-nvcc``, pinned in
+pyproject.toml's ``cuda-compile`` extra to torch's CUDA version (a newer cicc
+emits PTX that the older ptxas rejects).
+
+    python tools/cuda_build.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from megatron_zpp.compression._extension import CPU_CFLAGS, CUDA_ARCHS, NVCC_FLAGS  # noqa: E402
+
+
+def cuda_root() -> Path:
+    """The pip CUDA tree (nvidia/cu13: bin/nvcc, include/), else a system toolkit."""
+    import nvidia
+
+    for base in map(Path, nvidia.__path__):
+        for sub in sorted(base.glob("cu*")):
+            if (sub / "bin" / "nvcc").exists():
+                return sub
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        return Path(nvcc).resolve().parents[1]
+    raise SystemExit("nvcc not found: pip install -e '.[cuda-compile]' (pins nvidia-cuda-nvcc to torch's CUDA)")
+
+
+def run(cmd: list[str]) -> float:
+    t0 = time.perf_counter()
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=None, help="where to put the objects (default: a temp dir)")
+    args = ap.parse_args()
+    out = args.out or Path(tempfile.mkdtemp(prefix="zpp_cuda_"))
+    out.mkdir(parents=True, exist_ok=True)
+
+    from torch.utils.cpp_extension import include_paths
+
+    root = cuda_root()
+    nvcc = root / "bin" / "nvcc"
+    includes = [f"-I{ROOT / 'csrc' / 'include'}", f"-I{root / 'include'}"]
+    subprocess.run([str(nvcc), "--version"], check=True)
+    t_kernels = run([str(nvcc), *NVCC_FLAGS, *includes, "-c", str(ROOT / "csrc/cuda/quant_kernels.cu"),
+                     "-o", str(out / "quant_kernels.o")])
+    torch_includes = [f"-I{p}" for p in include_paths()]  # ATen/cuda headers live here too
+    t_binding = run(["g++", *CPU_CFLAGS, "-fPIC", "-DZPP_WITH_CUDA", *includes, *torch_includes,
+                     f"-I{sysconfig.get_paths()['include']}", "-c",
+                     str(ROOT / "csrc/cuda/quant_cuda_binding.cpp"), "-o", str(out / "quant_cuda_binding.o")])
+    archs = ", ".join(f"sm_{a}" for a in CUDA_ARCHS)
+    print(f"CUDA compile OK: kernels for {archs} in {t_kernels:.1f}s, torch binding in {t_binding:.1f}s -> {out}")
+
+
+if __name__ == "__main__":
+    main()
