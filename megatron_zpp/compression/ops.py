@@ -49,6 +49,12 @@ def _impl(name: str, device: torch.device, backend: str):
     return getattr(reference, name)
 
 
+def _seed64(seed: int) -> int:
+    """The signed int64 with the same 64 bits (op schemas take int64; kernels read it as uint64)."""
+    seed &= (1 << 64) - 1
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
 def _check_float(name: str, t: torch.Tensor) -> None:
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} has dtype {t.dtype}; valid: {', '.join(map(str, FLOAT_DTYPES))}")
@@ -89,7 +95,7 @@ def quantize_rows_(x, packed, bits, block, stochastic=False, seed=0, *, backend=
     _check_packed("packed", packed, 2, x.device)
     length = _rows_length(x.numel(), packed.shape[0], "quantize_rows_")
     _check_row_bytes("packed", packed, length, bits, block)
-    _impl("quantize_rows_", x.device, backend)(x, packed, bits, block, stochastic, seed)
+    _impl("quantize_rows_", x.device, backend)(x, packed, bits, block, stochastic, _seed64(seed))
 
 
 def reorder_quantize_(x, packed, bits, block, nodes, node_size, stages=1, stochastic=False, seed=0,
@@ -106,7 +112,7 @@ def reorder_quantize_(x, packed, bits, block, nodes, node_size, stages=1, stocha
     length = _rows_length(x.numel(), num_rows, "reorder_quantize_")
     _check_row_bytes("packed", packed, length, bits, block)
     _impl("reorder_quantize_", x.device, backend)(
-        x, packed, bits, block, nodes, node_size, stages, stochastic, seed)
+        x, packed, bits, block, nodes, node_size, stages, stochastic, _seed64(seed))
 
 
 def dequantize_rows_(packed, out, bits, block, *, backend="auto") -> None:
@@ -129,7 +135,7 @@ def dequant_reduce_quantize_(packed_in, packed_out, row_numel, bits_in, block_in
     _check_row_bytes("packed_in", packed_in, row_numel, bits_in, block_in)
     _check_row_bytes("packed_out", packed_out, row_numel, bits_out, block_out)
     _impl("dequant_reduce_quantize_", packed_in.device, backend)(
-        packed_in, packed_out, row_numel, bits_in, block_in, bits_out, block_out, stochastic, seed)
+        packed_in, packed_out, row_numel, bits_in, block_in, bits_out, block_out, stochastic, _seed64(seed))
 
 
 def dequant_reduce_(packed_in, out, bits, block, divisor=1.0, *, backend="auto") -> None:
