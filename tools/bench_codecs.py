@@ -1,0 +1,148 @@
+"""Kernel benchmark: GB/s of every blocked-quantization op vs memcpy and the pure-PyTorch reference.
+
+For each op, dtype and size: the median over repeats of (bytes read + bytes
+written) / seconds, for the compiled kernel and for the reference, next to the
+same run's ``tensor.copy_`` GB/s at that size (fp32, read + write). Ratios are
+kernel/memcpy and kernel/reference. Device: CPU (2 threads here) or ``--device
+cuda``. Ops (INT8 at block 256, INT4 at block 128, the codecs' defaults):
+
+  quantize      x -> packed                          (codec.encode)
+  dequantize    packed -> x                          (codec.decode)
+  reorder_quant x -> packed rows in qgZ order        (2 nodes x 4 ranks)
+  deq_red_quant 4 packed chunks -> sum -> packed     (qgZ intra-node step)
+  deq_reduce    4 packed chunks -> sum/4 -> x dtype  (qgZ final step)
+
+    python tools/bench_codecs.py [--sizes 1M,16M,64M] [--repeats 7] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_zpp.compression import layout, ops  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+BLOCK = {8: 256, 4: 128}
+NODES, NODE_SIZE, CHUNKS = 2, 4, 4
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1], 1)
+    return int(s[:-1] if s[-1] in "KMG" else s) * mult
+
+
+def median_seconds(fn, repeats: int, device: torch.device) -> float:
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()  # warm-up: first-touch page faults, JIT, caches
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def make_cases(numel: int, bits: int, dtype: torch.dtype, device: torch.device):
+    """(op name, bytes moved, fn(backend)) for one configuration."""
+    block = BLOCK[bits]
+    x = torch.randn(numel, device=device).to(dtype)
+    packed = ops.quantize(x, bits, block)
+    out = torch.empty_like(x)
+    rows = NODES * NODE_SIZE
+    rpacked = torch.empty(rows, layout.row_bytes(numel // rows, bits, block), dtype=torch.uint8, device=device)
+    chunk_len = numel // CHUNKS
+    chunks = ops.quantize(x, bits, block, rows=CHUNKS).view(CHUNKS, 1, -1)
+    red_out = torch.empty(1, layout.row_bytes(chunk_len, bits, block), dtype=torch.uint8, device=device)
+    red_x = torch.empty(chunk_len, dtype=dtype, device=device)
+    xb, pb = numel * x.element_size(), packed.numel()
+    return [
+        ("quantize", xb + pb, lambda be: ops.quantize_rows_(x, packed, bits, block, backend=be)),
+        ("dequantize", pb + xb, lambda be: ops.dequantize_rows_(packed, out, bits, block, backend=be)),
+        ("reorder_quant", xb + rpacked.numel(),
+         lambda be: ops.reorder_quantize_(x, rpacked, bits, block, NODES, NODE_SIZE, 1, backend=be)),
+        ("deq_red_quant", chunks.numel() + red_out.numel(),
+         lambda be: ops.dequant_reduce_quantize_(chunks, red_out, chunk_len, bits, block, bits, block, backend=be)),
+        ("deq_reduce", chunks.numel() + chunk_len * x.element_size(),
+         lambda be: ops.dequant_reduce_(chunks, red_x, bits, block, float(CHUNKS), backend=be)),
+    ]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1M,16M,64M", help="element counts, comma-separated (K/M/G suffixes)")
+    ap.add_argument("--dtypes", default="fp32,bf16,fp16")
+    ap.add_argument("--bits", default="8,4")
+    ap.add_argument("--ops", default="quantize,dequantize,reorder_quant,deq_red_quant,deq_reduce")
+    ap.add_argument("--repeats", type=int, default=7, help="timed repeats of each kernel (median reported)")
+    ap.add_argument("--ref-repeats", type=int, default=3, help="timed repeats of the slow reference")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    args = ap.parse_args()
+
+    device = torch.device(args.device)
+    if not ops.kernels_available(device):
+        print(f"error: compiled kernels unavailable on {device}", file=sys.stderr)
+        return 2
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    wanted_ops = set(args.ops.split(","))
+    threads = torch.get_num_threads()
+    print(f"# bench_codecs: torch {torch.__version__}, {device}, {threads} threads, {platform.processor() or platform.machine()}")
+    header = f"{'op':<14}{'bits':>5}{'dtype':>6}{'numel':>7}{'GB/s':>8}{'ref GB/s':>10}{'memcpy':>8}{'x memcpy':>10}{'x ref':>8}"
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for numel in sizes:
+        src = torch.randn(numel, device=device)
+        dst = torch.empty_like(src)
+        memcpy = 2 * src.numel() * 4 / median_seconds(lambda: dst.copy_(src), max(args.repeats, 9), device) / 1e9
+        del src, dst
+        for bits in map(int, args.bits.split(",")):
+            for dname in args.dtypes.split(","):
+                for name, nbytes, fn in make_cases(numel, bits, DTYPES[dname], device):
+                    if name not in wanted_ops:
+                        continue
+                    if name == "deq_red_quant" and dname != args.dtypes.split(",")[0]:
+                        continue  # packed in, packed out: the float dtype plays no part
+                    k = nbytes / median_seconds(lambda: fn("kernel"), args.repeats, device) / 1e9
+                    r = nbytes / median_seconds(lambda: fn("reference"), args.ref_repeats, device) / 1e9
+                    row = dict(op=name, bits=bits, dtype=dname if name != "deq_red_quant" else "-", numel=numel,
+                               gbps=k, ref_gbps=r, memcpy_gbps=memcpy, x_memcpy=k / memcpy, x_ref=k / r,
+                               device=str(device), threads=threads)
+                    rows.append(row)
+                    size = f"{numel >> 20}M" if numel >= 1 << 20 else f"{numel >> 10}K"
+                    print(f"{name:<14}{bits:>5}{row['dtype']:>6}{size:>7}{k:>8.2f}{r:>10.3f}{memcpy:>8.2f}"
+                          f"{k / memcpy:>10.2f}{k / r:>8.1f}", flush=True)
+
+    # The issue's acceptance figures: quantize at the largest size, per dtype.
+    largest = max(sizes)
+    print(f"\n# acceptance (quantize, {largest >> 20}M elements): INT8 >= 0.6x memcpy, INT4 >= 0.5x, both >= 2x reference")
+    for row in rows:
+        if row["op"] == "quantize" and row["numel"] == largest:
+            goal = 0.6 if row["bits"] == 8 else 0.5
+            ok = row["x_memcpy"] >= goal and row["x_ref"] >= 2
+            print(f"  INT{row['bits']} {row['dtype']}: {row['x_memcpy']:.2f}x memcpy, {row['x_ref']:.1f}x reference "
+                  f"-> {'meets' if ok else 'MISSES'} the goal")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+        print(f"# wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
