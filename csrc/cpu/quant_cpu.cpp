@@ -245,12 +245,8 @@ void dequantize_rows_kernel(const uint8_t* packed, T* out, int64_t rows, int64_t
 
 void quantize_rows_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t block, bool stochastic,
                        int64_t seed) {
-  check_bits_block(bits, block);
-  check_float(x, "x");
-  check_packed(packed, "packed", 2, x.device());
+  const int64_t length = check_quantize_rows(x, packed, bits, block);
   const int64_t rows = packed.size(0);
-  const int64_t length = rows_length(x.numel(), rows, "quantize_rows_");
-  check_row_bytes(packed, length, bits, block, "packed");
   ZPP_DISPATCH_FLOAT(x.scalar_type(), "quantize_rows_", [&] {
     quantize_rows_kernel(x.data_ptr<scalar_t>(), packed.data_ptr<uint8_t>(), rows, length, static_cast<int>(bits),
                          block, stochastic, static_cast<uint64_t>(seed), [](int64_t r) { return r; });
@@ -259,16 +255,8 @@ void quantize_rows_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t bi
 
 void reorder_quantize_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t block, int64_t nodes,
                           int64_t node_size, int64_t stages, bool stochastic, int64_t seed) {
-  check_bits_block(bits, block);
-  check_float(x, "x");
-  check_packed(packed, "packed", 2, x.device());
-  TORCH_CHECK(nodes >= 1 && node_size >= 1 && stages >= 1, "megatron_zpp::reorder_quantize_: nodes=", nodes,
-              ", node_size=", node_size, ", stages=", stages, " must all be >= 1");
-  const int64_t rows = nodes * node_size * stages;
-  TORCH_CHECK(packed.size(0) == rows, "megatron_zpp::reorder_quantize_: packed has ", packed.size(0),
-              " rows; stages*nodes*node_size = ", rows);
-  const int64_t length = rows_length(x.numel(), rows, "reorder_quantize_");
-  check_row_bytes(packed, length, bits, block, "packed");
+  const int64_t length = check_reorder_quantize(x, packed, bits, block, nodes, node_size, stages);
+  const int64_t rows = packed.size(0);
   ZPP_DISPATCH_FLOAT(x.scalar_type(), "reorder_quantize_", [&] {
     quantize_rows_kernel(x.data_ptr<scalar_t>(), packed.data_ptr<uint8_t>(), rows, length, static_cast<int>(bits),
                          block, stochastic, static_cast<uint64_t>(seed),
@@ -277,12 +265,8 @@ void reorder_quantize_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t
 }
 
 void dequantize_rows_cpu(const at::Tensor& packed, const at::Tensor& out, int64_t bits, int64_t block) {
-  check_bits_block(bits, block);
-  check_float(out, "out");
-  check_packed(packed, "packed", 2, out.device());
+  const int64_t length = check_dequantize_rows(packed, out, bits, block);
   const int64_t rows = packed.size(0);
-  const int64_t length = rows_length(out.numel(), rows, "dequantize_rows_");
-  check_row_bytes(packed, length, bits, block, "packed");
   ZPP_DISPATCH_FLOAT(out.scalar_type(), "dequantize_rows_", [&] {
     dequantize_rows_kernel(packed.data_ptr<uint8_t>(), out.data_ptr<scalar_t>(), rows, length, static_cast<int>(bits),
                            block);
@@ -315,14 +299,7 @@ void reduce_chunks(const at::Tensor& packed_in, int64_t length, int bits_in, int
 void dequant_reduce_quantize_cpu(const at::Tensor& packed_in, const at::Tensor& packed_out, int64_t row_numel,
                                  int64_t bits_in, int64_t block_in, int64_t bits_out, int64_t block_out,
                                  bool stochastic, int64_t seed) {
-  check_bits_block(bits_in, block_in);
-  check_bits_block(bits_out, block_out);
-  check_packed(packed_in, "packed_in", 3, packed_in.device());
-  check_packed(packed_out, "packed_out", 2, packed_in.device());
-  TORCH_CHECK(packed_out.size(0) == packed_in.size(1), "megatron_zpp::dequant_reduce_quantize_: packed_out has ",
-              packed_out.size(0), " rows, packed_in chunks have ", packed_in.size(1));
-  check_row_bytes(packed_in, row_numel, bits_in, block_in, "packed_in");
-  check_row_bytes(packed_out, row_numel, bits_out, block_out, "packed_out");
+  check_dequant_reduce_quantize(packed_in, packed_out, row_numel, bits_in, block_in, bits_out, block_out);
   uint8_t* out = packed_out.data_ptr<uint8_t>();
   const int bo = static_cast<int>(bits_out);
   const int64_t nb_out = num_blocks(row_numel, block_out);
@@ -342,13 +319,7 @@ void dequant_reduce_quantize_cpu(const at::Tensor& packed_in, const at::Tensor& 
 
 void dequant_reduce_cpu(const at::Tensor& packed_in, const at::Tensor& out, int64_t bits, int64_t block,
                         double divisor) {
-  check_bits_block(bits, block);
-  check_float(out, "out");
-  check_packed(packed_in, "packed_in", 3, out.device());
-  TORCH_CHECK(divisor > 0, "megatron_zpp::dequant_reduce_: divisor=", divisor, " must be > 0");
-  const int64_t rows = packed_in.size(1);
-  const int64_t length = rows_length(out.numel(), rows, "dequant_reduce_");
-  check_row_bytes(packed_in, length, bits, block, "packed_in");
+  const int64_t length = check_dequant_reduce(packed_in, out, bits, block, divisor);
   const float div = static_cast<float>(divisor);
   ZPP_DISPATCH_FLOAT(out.scalar_type(), "dequant_reduce_", [&] {
     scalar_t* y = out.data_ptr<scalar_t>();

@@ -26,13 +26,9 @@ void check_aligned(const at::Tensor& packed, const char* name) {
 
 void quantize_rows_cuda(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t block, bool stochastic,
                         int64_t seed) {
-  check_bits_block(bits, block);
-  check_float(x, "x");
-  check_packed(packed, "packed", 2, x.device());
+  const int64_t length = check_quantize_rows(x, packed, bits, block);
   check_aligned(packed, "packed");
   const int64_t rows = packed.size(0);
-  const int64_t length = rows_length(x.numel(), rows, "quantize_rows_");
-  check_row_bytes(packed, length, bits, block, "packed");
   const c10::cuda::CUDAGuard guard(x.device());
   cuda::launch_quantize_rows(x.data_ptr(), float_type(x), packed.data_ptr<uint8_t>(), rows, length,
                              static_cast<int>(bits), block, stochastic, static_cast<uint64_t>(seed), false, 1, 1, 1,
@@ -42,17 +38,9 @@ void quantize_rows_cuda(const at::Tensor& x, const at::Tensor& packed, int64_t b
 
 void reorder_quantize_cuda(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t block, int64_t nodes,
                            int64_t node_size, int64_t stages, bool stochastic, int64_t seed) {
-  check_bits_block(bits, block);
-  check_float(x, "x");
-  check_packed(packed, "packed", 2, x.device());
+  const int64_t length = check_reorder_quantize(x, packed, bits, block, nodes, node_size, stages);
   check_aligned(packed, "packed");
-  TORCH_CHECK(nodes >= 1 && node_size >= 1 && stages >= 1, "megatron_zpp::reorder_quantize_: nodes=", nodes,
-              ", node_size=", node_size, ", stages=", stages, " must all be >= 1");
-  const int64_t rows = nodes * node_size * stages;
-  TORCH_CHECK(packed.size(0) == rows, "megatron_zpp::reorder_quantize_: packed has ", packed.size(0),
-              " rows; stages*nodes*node_size = ", rows);
-  const int64_t length = rows_length(x.numel(), rows, "reorder_quantize_");
-  check_row_bytes(packed, length, bits, block, "packed");
+  const int64_t rows = packed.size(0);
   const c10::cuda::CUDAGuard guard(x.device());
   cuda::launch_quantize_rows(x.data_ptr(), float_type(x), packed.data_ptr<uint8_t>(), rows, length,
                              static_cast<int>(bits), block, stochastic, static_cast<uint64_t>(seed), true, nodes,
@@ -61,13 +49,9 @@ void reorder_quantize_cuda(const at::Tensor& x, const at::Tensor& packed, int64_
 }
 
 void dequantize_rows_cuda(const at::Tensor& packed, const at::Tensor& out, int64_t bits, int64_t block) {
-  check_bits_block(bits, block);
-  check_float(out, "out");
-  check_packed(packed, "packed", 2, out.device());
+  const int64_t length = check_dequantize_rows(packed, out, bits, block);
   check_aligned(packed, "packed");
   const int64_t rows = packed.size(0);
-  const int64_t length = rows_length(out.numel(), rows, "dequantize_rows_");
-  check_row_bytes(packed, length, bits, block, "packed");
   const c10::cuda::CUDAGuard guard(out.device());
   cuda::launch_dequantize_rows(packed.data_ptr<uint8_t>(), out.data_ptr(), float_type(out), rows, length,
                                static_cast<int>(bits), block, at::cuda::getCurrentCUDAStream());
@@ -77,16 +61,9 @@ void dequantize_rows_cuda(const at::Tensor& packed, const at::Tensor& out, int64
 void dequant_reduce_quantize_cuda(const at::Tensor& packed_in, const at::Tensor& packed_out, int64_t row_numel,
                                   int64_t bits_in, int64_t block_in, int64_t bits_out, int64_t block_out,
                                   bool stochastic, int64_t seed) {
-  check_bits_block(bits_in, block_in);
-  check_bits_block(bits_out, block_out);
-  check_packed(packed_in, "packed_in", 3, packed_in.device());
-  check_packed(packed_out, "packed_out", 2, packed_in.device());
+  check_dequant_reduce_quantize(packed_in, packed_out, row_numel, bits_in, block_in, bits_out, block_out);
   check_aligned(packed_in, "packed_in");
   check_aligned(packed_out, "packed_out");
-  TORCH_CHECK(packed_out.size(0) == packed_in.size(1), "megatron_zpp::dequant_reduce_quantize_: packed_out has ",
-              packed_out.size(0), " rows, packed_in chunks have ", packed_in.size(1));
-  check_row_bytes(packed_in, row_numel, bits_in, block_in, "packed_in");
-  check_row_bytes(packed_out, row_numel, bits_out, block_out, "packed_out");
   const c10::cuda::CUDAGuard guard(packed_in.device());
   cuda::launch_dequant_reduce_quantize(packed_in.data_ptr<uint8_t>(), packed_out.data_ptr<uint8_t>(),
                                        packed_in.size(0), packed_in.size(1), row_numel, static_cast<int>(bits_in),
@@ -97,14 +74,9 @@ void dequant_reduce_quantize_cuda(const at::Tensor& packed_in, const at::Tensor&
 
 void dequant_reduce_cuda(const at::Tensor& packed_in, const at::Tensor& out, int64_t bits, int64_t block,
                          double divisor) {
-  check_bits_block(bits, block);
-  check_float(out, "out");
-  check_packed(packed_in, "packed_in", 3, out.device());
+  const int64_t length = check_dequant_reduce(packed_in, out, bits, block, divisor);
   check_aligned(packed_in, "packed_in");
-  TORCH_CHECK(divisor > 0, "megatron_zpp::dequant_reduce_: divisor=", divisor, " must be > 0");
   const int64_t rows = packed_in.size(1);
-  const int64_t length = rows_length(out.numel(), rows, "dequant_reduce_");
-  check_row_bytes(packed_in, length, bits, block, "packed_in");
   const c10::cuda::CUDAGuard guard(out.device());
   cuda::launch_dequant_reduce(packed_in.data_ptr<uint8_t>(), out.data_ptr(), float_type(out), packed_in.size(0), rows,
                               length, static_cast<int>(bits), block, static_cast<float>(divisor),

@@ -37,4 +37,61 @@ inline void check_row_bytes(const at::Tensor& packed, int64_t length, int64_t bi
               " bytes; rows of ", length, " elements at bits=", bits, ", block=", block, " need ", expected);
 }
 
+// Per-op checks, shared by the CPU and CUDA implementations; each returns the row length.
+inline int64_t check_quantize_rows(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t block) {
+  check_bits_block(bits, block);
+  check_float(x, "x");
+  check_packed(packed, "packed", 2, x.device());
+  const int64_t length = rows_length(x.numel(), packed.size(0), "quantize_rows_");
+  check_row_bytes(packed, length, bits, block, "packed");
+  return length;
+}
+
+inline int64_t check_reorder_quantize(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t block,
+                                      int64_t nodes, int64_t node_size, int64_t stages) {
+  check_bits_block(bits, block);
+  check_float(x, "x");
+  check_packed(packed, "packed", 2, x.device());
+  TORCH_CHECK(nodes >= 1 && node_size >= 1 && stages >= 1, "megatron_zpp::reorder_quantize_: nodes=", nodes,
+              ", node_size=", node_size, ", stages=", stages, " must all be >= 1");
+  const int64_t rows = nodes * node_size * stages;
+  TORCH_CHECK(packed.size(0) == rows, "megatron_zpp::reorder_quantize_: packed has ", packed.size(0),
+              " rows; stages*nodes*node_size = ", rows);
+  const int64_t length = rows_length(x.numel(), rows, "reorder_quantize_");
+  check_row_bytes(packed, length, bits, block, "packed");
+  return length;
+}
+
+inline int64_t check_dequantize_rows(const at::Tensor& packed, const at::Tensor& out, int64_t bits, int64_t block) {
+  check_bits_block(bits, block);
+  check_float(out, "out");
+  check_packed(packed, "packed", 2, out.device());
+  const int64_t length = rows_length(out.numel(), packed.size(0), "dequantize_rows_");
+  check_row_bytes(packed, length, bits, block, "packed");
+  return length;
+}
+
+inline void check_dequant_reduce_quantize(const at::Tensor& packed_in, const at::Tensor& packed_out, int64_t row_numel,
+                                          int64_t bits_in, int64_t block_in, int64_t bits_out, int64_t block_out) {
+  check_bits_block(bits_in, block_in);
+  check_bits_block(bits_out, block_out);
+  check_packed(packed_in, "packed_in", 3, packed_in.device());
+  check_packed(packed_out, "packed_out", 2, packed_in.device());
+  TORCH_CHECK(packed_out.size(0) == packed_in.size(1), "megatron_zpp::dequant_reduce_quantize_: packed_out has ",
+              packed_out.size(0), " rows, packed_in chunks have ", packed_in.size(1));
+  check_row_bytes(packed_in, row_numel, bits_in, block_in, "packed_in");
+  check_row_bytes(packed_out, row_numel, bits_out, block_out, "packed_out");
+}
+
+inline int64_t check_dequant_reduce(const at::Tensor& packed_in, const at::Tensor& out, int64_t bits, int64_t block,
+                                    double divisor) {
+  check_bits_block(bits, block);
+  check_float(out, "out");
+  check_packed(packed_in, "packed_in", 3, out.device());
+  TORCH_CHECK(divisor > 0, "megatron_zpp::dequant_reduce_: divisor=", divisor, " must be > 0");
+  const int64_t length = rows_length(out.numel(), packed_in.size(1), "dequant_reduce_");
+  check_row_bytes(packed_in, length, bits, block, "packed_in");
+  return length;
+}
+
 }  // namespace zpp
