@@ -75,6 +75,36 @@ __device__ __forceinline__ void zero_row_padding(uint8_t* data, int64_t length, 
   for (int64_t i = ceil_div(length * bits, 8); i < data_bytes(length, bits); ++i) data[i] = 0;
 }
 
+// Quantizes one block whose i-th value is value(i), for i < n: absmax reduce,
+// scale, packed pairs, then thread 0 stores the scale (and the row's padding
+// after its last block). Shared by the plain and the fused-reduce quantizers.
+template <typename Value>
+__device__ void quantize_block(Value value, int64_t n, int bits, bool stochastic, uint64_t seed, uint64_t index0,
+                               uint8_t* row, int64_t k, int64_t nb, int64_t length, int64_t block) {
+  uint32_t m = 0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) m = max(m, abs_bits(value(i)));
+  m = block_max_u32(m);
+  const int qmax = qmax_for_bits(bits);
+  const float scale = scale_from_max_bits(m, qmax);
+  const bool usable = scale_is_usable(scale);
+  const float fq = static_cast<float>(qmax);
+  uint8_t* data = row + 4 * nb + k * block * bits / 8;
+  for (int64_t p = threadIdx.x; 2 * p < n; p += blockDim.x) {
+    const int64_t e = 2 * p;
+    const bool has_hi = e + 1 < n;
+    int q0 = 0, q1 = 0;
+    if (usable) {
+      q0 = quantize_one(value(e), scale, fq, stochastic, seed, index0 + e);
+      if (has_hi) q1 = quantize_one(value(e + 1), scale, fq, stochastic, seed, index0 + e + 1);
+    }
+    store_pair(data, e, bits, q0, q1, has_hi);
+  }
+  if (threadIdx.x == 0) {
+    reinterpret_cast<float*>(row)[k] = scale;
+    if (k == nb - 1) zero_row_padding(row + 4 * nb, length, bits);
+  }
+}
+
 template <typename T>
 __global__ void quantize_rows_kernel(const T* __restrict__ x, uint8_t* __restrict__ packed, int64_t length, int bits,
                                      int64_t block, bool stochastic, uint64_t seed, bool reorder, int64_t nodes,
@@ -84,33 +114,10 @@ __global__ void quantize_rows_kernel(const T* __restrict__ x, uint8_t* __restric
   const int64_t e0 = k * block;
   const int64_t n = min(block, length - e0);
   const T* xb = x + r * length + e0;
-
-  uint32_t m = 0;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) m = max(m, abs_bits(load_f32(xb, i)));
-  m = block_max_u32(m);
-  const int qmax = qmax_for_bits(bits);
-  const float scale = scale_from_max_bits(m, qmax);
-  const bool usable = scale_is_usable(scale);
-
   const int64_t out_row = reorder ? reorder_slot_of_input_row(r, stages, node_size, nodes) : r;
-  uint8_t* row = packed + out_row * row_bytes(length, bits, block);
-  uint8_t* data = row + 4 * nb + e0 * bits / 8;
-  const float fq = static_cast<float>(qmax);
-  const uint64_t index0 = static_cast<uint64_t>(r * length + e0);
-  for (int64_t p = threadIdx.x; 2 * p < n; p += blockDim.x) {
-    const int64_t e = 2 * p;
-    const bool has_hi = e + 1 < n;
-    int q0 = 0, q1 = 0;
-    if (usable) {
-      q0 = quantize_one(load_f32(xb, e), scale, fq, stochastic, seed, index0 + e);
-      if (has_hi) q1 = quantize_one(load_f32(xb, e + 1), scale, fq, stochastic, seed, index0 + e + 1);
-    }
-    store_pair(data, e, bits, q0, q1, has_hi);
-  }
-  if (threadIdx.x == 0) {
-    reinterpret_cast<float*>(row)[k] = scale;
-    if (k == nb - 1) zero_row_padding(row + 4 * nb, length, bits);
-  }
+  quantize_block([=](int64_t i) { return load_f32(xb, i); }, n, bits, stochastic, seed,
+                 static_cast<uint64_t>(r * length + e0), packed + out_row * row_bytes(length, bits, block), k, nb,
+                 length, block);
 }
 
 template <typename T>
@@ -149,36 +156,12 @@ __global__ void dequant_reduce_quantize_kernel(const uint8_t* __restrict__ packe
   const int64_t e0 = j * block_out;
   const int64_t n = min(block_out, length - e0);
   const int64_t rb_in = row_bytes(length, bits_in, block_in), nb_in = num_blocks(length, block_in);
-
-  uint32_t m = 0;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
-    m = max(m, abs_bits(reduce_element(packed_in, chunks, rows, rb_in, nb_in, k, e0 + i, bits_in, block_in)));
-  m = block_max_u32(m);
-  const int qmax = qmax_for_bits(bits_out);
-  const float scale = scale_from_max_bits(m, qmax);
-  const bool usable = scale_is_usable(scale);
-
-  uint8_t* row = packed_out + k * row_bytes(length, bits_out, block_out);
-  uint8_t* data = row + 4 * nb_out + e0 * bits_out / 8;
-  const float fq = static_cast<float>(qmax);
-  const uint64_t index0 = static_cast<uint64_t>(k * length + e0);
-  for (int64_t p = threadIdx.x; 2 * p < n; p += blockDim.x) {
-    const int64_t e = 2 * p;
-    const bool has_hi = e + 1 < n;
-    int q0 = 0, q1 = 0;
-    if (usable) {
-      q0 = quantize_one(reduce_element(packed_in, chunks, rows, rb_in, nb_in, k, e0 + e, bits_in, block_in), scale, fq,
-                        stochastic, seed, index0 + e);
-      if (has_hi)
-        q1 = quantize_one(reduce_element(packed_in, chunks, rows, rb_in, nb_in, k, e0 + e + 1, bits_in, block_in),
-                          scale, fq, stochastic, seed, index0 + e + 1);
-    }
-    store_pair(data, e, bits_out, q0, q1, has_hi);
-  }
-  if (threadIdx.x == 0) {
-    reinterpret_cast<float*>(row)[j] = scale;
-    if (j == nb_out - 1) zero_row_padding(row + 4 * nb_out, length, bits_out);
-  }
+  // The sum is recomputed for the quantize pass rather than staged (see the file comment).
+  auto sum = [=](int64_t i) {
+    return reduce_element(packed_in, chunks, rows, rb_in, nb_in, k, e0 + i, bits_in, block_in);
+  };
+  quantize_block(sum, n, bits_out, stochastic, seed, static_cast<uint64_t>(k * length + e0),
+                 packed_out + k * row_bytes(length, bits_out, block_out), j, nb_out, length, block_out);
 }
 
 template <typename T>

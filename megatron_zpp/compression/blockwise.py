@@ -12,7 +12,7 @@ import torch
 
 from megatron_zpp.compression import layout, ops
 from megatron_zpp.compression.base import Codec, Packed
-from megatron_zpp.compression.reference import _mix32_int
+from megatron_zpp.compression.reference import mix32_int
 
 MAX_BLOCK = 1 << 16
 
@@ -56,7 +56,7 @@ class BlockwiseQuantCodec(Codec):
     def next_seed(self) -> int:
         """Seed for the next stochastic encode: a fresh stream per call, reproducible from ``seed``."""
         self._calls += 1
-        return (_mix32_int(self.seed) << 32) | _mix32_int(self.seed ^ _mix32_int(self._calls))
+        return (mix32_int(self.seed) << 32) | mix32_int(self.seed ^ mix32_int(self._calls))
 
     def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         if numel < 0:

@@ -29,6 +29,12 @@ def qmax_for_bits(bits: int) -> int:
     return 127 if bits == 8 else 7
 
 
+def check_bits_block(bits: int, block: int) -> None:
+    qmax_for_bits(bits)
+    if block <= 0 or block % 8:
+        raise ValueError(f"block={block} must be a positive multiple of 8")
+
+
 def num_blocks(numel: int, block: int) -> int:
     return ceil_div(numel, block)
 

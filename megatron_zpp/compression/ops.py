@@ -70,12 +70,6 @@ def _check_packed(name: str, packed: torch.Tensor, ndim: int, device: torch.devi
         raise ValueError(f"{name} is on {packed.device}, expected {device}")
 
 
-def _check_bits_block(bits: int, block: int) -> None:
-    layout.qmax_for_bits(bits)
-    if block <= 0 or block % 8:
-        raise ValueError(f"block={block} must be a positive multiple of 8")
-
-
 def _rows_length(total: int, rows: int, what: str) -> int:
     if rows <= 0 or total % rows:
         raise ValueError(f"{what}: {total} elements do not split into {rows} equal rows")
@@ -91,7 +85,7 @@ def _check_row_bytes(name: str, packed: torch.Tensor, length: int, bits: int, bl
 
 def quantize_rows_(x, packed, bits, block, stochastic=False, seed=0, *, backend="auto") -> None:
     _check_float("x", x)
-    _check_bits_block(bits, block)
+    layout.check_bits_block(bits, block)
     _check_packed("packed", packed, 2, x.device)
     length = _rows_length(x.numel(), packed.shape[0], "quantize_rows_")
     _check_row_bytes("packed", packed, length, bits, block)
@@ -101,7 +95,7 @@ def quantize_rows_(x, packed, bits, block, stochastic=False, seed=0, *, backend=
 def reorder_quantize_(x, packed, bits, block, nodes, node_size, stages=1, stochastic=False, seed=0,
                       *, backend="auto") -> None:
     _check_float("x", x)
-    _check_bits_block(bits, block)
+    layout.check_bits_block(bits, block)
     _check_packed("packed", packed, 2, x.device)
     for what, v in (("nodes", nodes), ("node_size", node_size), ("stages", stages)):
         if v < 1:
@@ -117,7 +111,7 @@ def reorder_quantize_(x, packed, bits, block, nodes, node_size, stages=1, stocha
 
 def dequantize_rows_(packed, out, bits, block, *, backend="auto") -> None:
     _check_float("out", out)
-    _check_bits_block(bits, block)
+    layout.check_bits_block(bits, block)
     _check_packed("packed", packed, 2, out.device)
     length = _rows_length(out.numel(), packed.shape[0], "dequantize_rows_")
     _check_row_bytes("packed", packed, length, bits, block)
@@ -126,8 +120,8 @@ def dequantize_rows_(packed, out, bits, block, *, backend="auto") -> None:
 
 def dequant_reduce_quantize_(packed_in, packed_out, row_numel, bits_in, block_in, bits_out, block_out,
                              stochastic=False, seed=0, *, backend="auto") -> None:
-    _check_bits_block(bits_in, block_in)
-    _check_bits_block(bits_out, block_out)
+    layout.check_bits_block(bits_in, block_in)
+    layout.check_bits_block(bits_out, block_out)
     _check_packed("packed_in", packed_in, 3, packed_in.device)
     _check_packed("packed_out", packed_out, 2, packed_in.device)
     if packed_out.shape[0] != packed_in.shape[1]:
@@ -140,7 +134,7 @@ def dequant_reduce_quantize_(packed_in, packed_out, row_numel, bits_in, block_in
 
 def dequant_reduce_(packed_in, out, bits, block, divisor=1.0, *, backend="auto") -> None:
     _check_float("out", out)
-    _check_bits_block(bits, block)
+    layout.check_bits_block(bits, block)
     _check_packed("packed_in", packed_in, 3, out.device)
     length = _rows_length(out.numel(), packed_in.shape[1], "dequant_reduce_")
     _check_row_bytes("packed_in", packed_in, length, bits, block)

@@ -34,15 +34,15 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _mix32_int(x: int) -> int:
+def mix32_int(x: int) -> int:
     return int(_mix32(torch.tensor([x & _MASK32], dtype=torch.int64)).item())
 
 
 def stochastic_uniform(seed: int, index: torch.Tensor) -> torch.Tensor:
     """fp32 uniforms in [0, 1) (24 bits) for int64 element indices; see quant_math.h."""
     seed &= (1 << 64) - 1
-    key = (seed & _MASK32) ^ _mix32_int(seed >> 32)
-    h = _mix32(torch.full_like(index, _mix32_int(key)) ^ (index & _MASK32))
+    key = (seed & _MASK32) ^ mix32_int(seed >> 32)
+    h = _mix32(torch.full_like(index, mix32_int(key)) ^ (index & _MASK32))
     h = _mix32(h ^ (index >> 32))
     return (h >> 8).to(torch.float32) * (1.0 / 16777216.0)
 
@@ -104,17 +104,11 @@ def _dequantize_matrix(packed: torch.Tensor, length: int, bits: int, block: int)
     return q * s
 
 
-def _check_bits_block(bits: int, block: int) -> None:
-    layout.qmax_for_bits(bits)
-    if block <= 0 or block % 8:
-        raise ValueError(f"block={block} must be a positive multiple of 8")
-
-
 # ---------------------------------------------------- the op contracts ------
 def quantize_rows_(x: torch.Tensor, packed: torch.Tensor, bits: int, block: int,
                    stochastic: bool = False, seed: int = 0) -> None:
     """Quantize ``x`` (R*L elements) into ``packed`` (uint8 ``[R, row_bytes(L)]``)."""
-    _check_bits_block(bits, block)
+    layout.check_bits_block(bits, block)
     rows = packed.shape[0]
     x2 = x.reshape(rows, -1).to(torch.float32)
     packed.copy_(_quantize_matrix(x2, bits, block, stochastic, seed).view_as(packed))
@@ -128,7 +122,7 @@ def reorder_quantize_(x: torch.Tensor, packed: torch.Tensor, bits: int, block: i
     ``x`` has ``P = stages * nodes * node_size`` equal rows; the stochastic counter is
     the element's index in ``x`` (so the result equals quantize-then-permute).
     """
-    _check_bits_block(bits, block)
+    layout.check_bits_block(bits, block)
     num_rows = stages * nodes * node_size
     x2 = x.reshape(num_rows, -1).to(torch.float32)
     q = _quantize_matrix(x2, bits, block, stochastic, seed)
@@ -141,7 +135,7 @@ def reorder_quantize_(x: torch.Tensor, packed: torch.Tensor, bits: int, block: i
 
 def dequantize_rows_(packed: torch.Tensor, out: torch.Tensor, bits: int, block: int) -> None:
     """Decode ``packed`` (``[R, row_bytes(L)]``) into ``out`` (R*L elements, any float dtype)."""
-    _check_bits_block(bits, block)
+    layout.check_bits_block(bits, block)
     rows = packed.shape[0]
     length = out.numel() // rows if rows else 0
     y = _dequantize_matrix(packed.reshape(rows, -1), length, bits, block)
@@ -163,8 +157,8 @@ def dequant_reduce_quantize_(packed_in: torch.Tensor, packed_out: torch.Tensor, 
 
     The stochastic counter is the output element index ``k * row_numel + e``.
     """
-    _check_bits_block(bits_in, block_in)
-    _check_bits_block(bits_out, block_out)
+    layout.check_bits_block(bits_in, block_in)
+    layout.check_bits_block(bits_out, block_out)
     acc = _reduce_chunks(packed_in, row_numel, bits_in, block_in)
     packed_out.copy_(_quantize_matrix(acc, bits_out, block_out, stochastic, seed).view_as(packed_out))
 
@@ -172,7 +166,7 @@ def dequant_reduce_quantize_(packed_in: torch.Tensor, packed_out: torch.Tensor, 
 def dequant_reduce_(packed_in: torch.Tensor, out: torch.Tensor, bits: int, block: int,
                     divisor: float = 1.0) -> None:
     """Sum ``packed_in`` (uint8 ``[C, K, row_bytes]``) over C in fp32, divide, write ``out`` (K*L, any float dtype)."""
-    _check_bits_block(bits, block)
+    layout.check_bits_block(bits, block)
     rows = packed_in.shape[1]
     length = out.numel() // rows if rows else 0
     acc = _reduce_chunks(packed_in, length, bits, block)
