@@ -1,0 +1,34 @@
+"""Compressed collectives on torch.distributed (layer 2: knows process groups, not Megatron).
+
+    from megatron_zpp.comm import Topology, quantized_all_gather, qgz_reduce_scatter, comm_stats
+    topo = Topology(group=None, ranks_per_node=2)      # any group, e.g. Megatron's DP group
+    quantized_all_gather(output, input, topology=topo, codec="int8:block=256")            # qwZ
+    qgz_reduce_scatter(output, input, topology=topo, codec="int4:block=128", op="mean")  # qgZ
+    shard = HpzShard(topo, input.numel(), input.dtype, "int8:block=256")                 # hpZ
+    quantized_all_gather(output, input, topology=topo, hpz_shard=shard)   # forward: fills it
+    hpz_all_gather(output, shard)                                         # backward: intra-node only
+    comm_stats().get("dp.grad").inter_bytes                               # byte accounting
+
+Semantics mirror ``all_gather_into_tensor`` / ``reduce_scatter_tensor``; ``codec="none"``
+gives the uncompressed algorithm, recorded the same way. Design notes: ``README.md`` here.
+"""
+
+from megatron_zpp.comm._common import CommHandle
+from megatron_zpp.comm.all_gather import HpzShard, hpz_all_gather, quantized_all_gather
+from megatron_zpp.comm.reduce_scatter import qgz_reduce_scatter, ring_reduce_scatter, torch_reduce_scatter
+from megatron_zpp.comm.stats import CommStats, TagStats, comm_stats
+from megatron_zpp.comm.topology import Topology
+
+__all__ = [
+    "CommHandle",
+    "CommStats",
+    "HpzShard",
+    "TagStats",
+    "Topology",
+    "comm_stats",
+    "hpz_all_gather",
+    "qgz_reduce_scatter",
+    "quantized_all_gather",
+    "ring_reduce_scatter",
+    "torch_reduce_scatter",
+]

@@ -1,0 +1,320 @@
+"""qgZ: the hierarchical (intra-node, then inter-node) all-to-all gradient reduce-scatter,
+and the uncompressed reduce-scatters it is measured against.
+
+``qgz_reduce_scatter(output, input, topology, codec)`` has the contract of
+``reduce_scatter_tensor(output, input, op)``: ``input`` holds ``size`` chunks of
+``output.numel()`` elements, chunk ``i`` destined to group rank ``i``; every rank
+receives the sum (``op="sum"``) or mean (``op="mean"``) of its chunk over all ranks.
+
+Compressed path (ZeRO++ section 3.3), per pipeline stage ``s`` (Algorithm 2):
+
+1. fused reorder + quantize: chunk ``d = node * node_size + local`` goes to slot
+   ``s * size + local * num_nodes + node``, so the intra-node all-to-all hands local
+   rank ``local`` the chunks that rank ``local`` of *every* node will own;
+2. intra-node all-to-all of the packed rows (``intra_codec``, default ``codec``);
+3. fused dequantize + reduce (fp32) + quantize (``codec``): the node's partial sums,
+   one row per destination node;
+4. inter-node all-to-all: one row to each node;
+5. dequantize + reduce (fp32) + divide, into ``output``.
+
+Cross-node bytes per rank: ``(num_nodes - 1) * row_bytes(output.numel())`` -- each
+node sends ``(num_nodes - 1) / num_nodes * M / Z`` where ring reduce-scatter sends
+``~M``. One node: steps 2 and 5 only (still compressed); one rank per node: steps 1,
+4 and 5. Any ``output.numel()`` works (no fallback, no divisibility condition);
+``stages > 1`` splits every chunk into ``stages`` slices so the intra-node hop of
+slice ``s + 1`` overlaps the inter-node hop of slice ``s``.
+
+With ``codec="none"`` the same two hops run on raw values (summed in fp32, partial
+sums sent in the input dtype): a hierarchical uncompressed reduce-scatter, the
+uncompressed algorithm with the fewest cross-node bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_zpp.compression import Codec, layout, ops
+from megatron_zpp.comm._common import (
+    CommHandle, WireFormat, agree, check_float, check_pair, reduce_divisor, result_of, wire_format)
+from megatron_zpp.comm.stats import comm_stats
+from megatron_zpp.comm.topology import Topology, _GroupInfo
+
+
+def _a2a(out: torch.Tensor, inp: torch.Tensor, info: _GroupInfo):
+    """Equal-split all-to-all on a subgroup; a group of one is a copy."""
+    if info.group is None:
+        out.view(-1).copy_(inp.view(-1))
+        return None
+    return dist.all_to_all_single(out.view(-1), inp.view(-1), group=info.group, async_op=True)
+
+
+def _wait(work) -> None:
+    if work is not None:
+        work.wait()
+
+
+def _record_a2a(tag: str, info: _GroupInfo, chunk_bytes: int, times: int) -> None:
+    intra, inter = info.split_a2a(chunk_bytes)
+    comm_stats().record(tag, intra * times, inter * times, calls=0)
+
+
+def qgz_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology,
+                       codec: str | Codec | None = "int4:block=128", op="mean", async_op: bool = False,
+                       tag: str = "dp.grad", intra_codec: str | Codec | None = None, stages: int = 1):
+    """Reduce-scatter ``input`` into ``output`` with ZeRO++'s quantized 2-hop all-to-all.
+
+    Args:
+        output: this rank's chunk, ``input.numel() / size`` elements; may alias ``input``
+            (Megatron passes a view of its bucket): ``input`` is fully read at the call.
+        input: ``size`` chunks, fp32 / bf16 / fp16 (any dtype with ``codec="none"``).
+        topology: the group and its node layout.
+        codec: codec of the inter-node hop (and of the intra-node hop unless ``intra_codec``).
+        op: ``"mean"`` or ``"sum"``; accumulation is fp32 whatever the input dtype.
+        async_op: return a :class:`CommHandle`; the middle step (wait hop 1, reduce, start
+            hop 2) runs on the topology's comm worker, so the caller is never blocked.
+        tag: byte-accounting tag.
+        intra_codec: codec of the intra-node hop, e.g. INT8 inside the node and INT4 across.
+        stages: pipeline stages (Algorithm 2); each chunk is split into this many slices.
+    """
+    what = "qgz_reduce_scatter"
+    check_pair(output, input, what)
+    size = topology.size
+    length = output.numel()
+    if input.numel() != size * length:
+        raise ValueError(f"{what}: input has {input.numel()} elements; group size {size} x output "
+                         f"{length} = {size * length}")
+    if not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"{what}: stages={stages!r} must be a positive integer")
+    divisor = reduce_divisor(op, size, what)
+    inter_fmt = wire_format(topology, codec, what)
+    intra_fmt = wire_format(topology, intra_codec, what) if intra_codec is not None else inter_fmt
+    if inter_fmt.compressed != intra_fmt.compressed:
+        raise ValueError(f"{what}: codec={inter_fmt.spec!r} and intra_codec={intra_fmt.spec!r} must both be "
+                         "'none' or both be quantizing codecs")
+    if inter_fmt.compressed:
+        check_float("input", input, what)
+    agree(topology, what, codec=inter_fmt.spec, intra_codec=intra_fmt.spec, stages=stages,
+          dtype=str(input.dtype), divisor=divisor)
+    if length == 0:
+        return CommHandle(lambda: None) if async_op else None
+
+    stages = min(stages, length)  # never a slice of zero elements
+    slice_len = layout.ceil_div(length, stages)
+    run = _compressed if inter_fmt.compressed else _uncompressed
+    middle, finish = run(output, input, topology, intra_fmt, inter_fmt, stages, slice_len, divisor, tag)
+    if not async_op:
+        works = middle()
+        finish(works)
+        return None
+    future = topology._groups.executor().submit(middle) if middle is not _no_middle else None
+    return CommHandle(lambda: finish(result_of(future)))
+
+
+def _no_middle():
+    return None
+
+
+def _staged_input(input: torch.Tensor, topology: Topology, stages: int, slice_len: int):
+    """``input`` as ``[size, stages * slice_len]``, zero-padded through a pooled copy when needed."""
+    size, length = topology.size, input.numel() // topology.size
+    if stages * slice_len == length:
+        return input.view(-1), None
+    nbytes = size * stages * slice_len * input.element_size()
+    staging = topology.buffers.take(nbytes, input.device)
+    padded = staging.view(input.dtype).view(size, stages * slice_len)
+    padded[:, length:].zero_()
+    padded[:, :length].copy_(input.view(size, length))
+    return padded.view(-1), staging
+
+
+def _staged_output(output: torch.Tensor, topology: Topology, stages: int, slice_len: int):
+    if stages * slice_len == output.numel():
+        return output.view(-1), None
+    staging = topology.buffers.take(stages * slice_len * output.element_size(), output.device)
+    return staging.view(output.dtype), staging
+
+
+def _compressed(output, input, topology: Topology, intra_fmt: WireFormat, inter_fmt: WireFormat,
+                stages: int, slice_len: int, divisor: int, tag: str):
+    groups, pool, device = topology._groups, topology.buffers, input.device
+    size, nodes, node_size = topology.size, topology.num_nodes, topology.node_size
+    two_hops = nodes > 1 and node_size > 1
+    first_fmt = intra_fmt if node_size > 1 else inter_fmt
+    first = groups.intra if node_size > 1 else groups.inter  # size-1 groups when size == 1
+
+    x, in_staging = _staged_input(input, topology, stages, slice_len)
+    rb1 = layout.row_bytes(slice_len, first_fmt.bits, first_fmt.block)
+    send1 = pool.take(stages * size * rb1, device)
+    recv1 = pool.take(stages * size * rb1, device)
+    ops.reorder_quantize_(x, send1.view(stages * size, rb1), first_fmt.bits, first_fmt.block, nodes,
+                          node_size, stages, first_fmt.stochastic, first_fmt.seed(topology.rank))
+    if in_staging is not None:
+        pool.give(in_staging)
+    send1_s, recv1_s = send1.view(stages, size * rb1), recv1.view(stages, size * rb1)
+    hop1 = [_a2a(recv1_s[s], send1_s[s], first) for s in range(stages)]
+    _record_a2a(tag, first, size // first.size * rb1, stages)
+    comm_stats().record(tag, 0, 0, calls=1)
+    out, out_staging = _staged_output(output, topology, stages, slice_len)
+
+    if not two_hops:
+        def finish(_) -> None:
+            for s in range(stages):
+                _wait(hop1[s])
+                ops.dequant_reduce_(recv1_s[s].view(size, 1, rb1), out[s * slice_len:(s + 1) * slice_len],
+                                    first_fmt.bits, first_fmt.block, divisor)
+            _finish_output(output, out, out_staging, pool)
+            pool.give(send1, recv1)
+        return _no_middle, finish
+
+    rb2 = layout.row_bytes(slice_len, inter_fmt.bits, inter_fmt.block)
+    send2 = pool.take(stages * nodes * rb2, device)
+    recv2 = pool.take(stages * nodes * rb2, device)
+    send2_s, recv2_s = send2.view(stages, nodes, rb2), recv2.view(stages, nodes, rb2)
+    _record_a2a(tag, groups.inter, rb2, stages)
+
+    def middle():
+        hop2 = []
+        for s in range(stages):
+            _wait(hop1[s])
+            ops.dequant_reduce_quantize_(recv1_s[s].view(node_size, nodes, rb1), send2_s[s], slice_len,
+                                         intra_fmt.bits, intra_fmt.block, inter_fmt.bits, inter_fmt.block,
+                                         inter_fmt.stochastic, inter_fmt.seed(topology.rank))
+            hop2.append(_a2a(recv2_s[s], send2_s[s], groups.inter))
+        return hop2
+
+    def finish(hop2) -> None:
+        for s in range(stages):
+            _wait(hop2[s])
+            ops.dequant_reduce_(recv2_s[s].view(nodes, 1, rb2), out[s * slice_len:(s + 1) * slice_len],
+                                inter_fmt.bits, inter_fmt.block, divisor)
+        _finish_output(output, out, out_staging, pool)
+        pool.give(send1, recv1, send2, recv2)
+    return middle, finish
+
+
+def _finish_output(output, out, out_staging, pool) -> None:
+    if out_staging is not None:
+        output.view(-1).copy_(out[:output.numel()])
+        pool.give(out_staging)
+
+
+def _uncompressed(output, input, topology: Topology, intra_fmt, inter_fmt, stages: int, slice_len: int,
+                  divisor: int, tag: str):
+    groups, pool, device, dtype = topology._groups, topology.buffers, input.device, input.dtype
+    size, nodes, node_size = topology.size, topology.num_nodes, topology.node_size
+    elt = input.element_size()
+    two_hops = nodes > 1 and node_size > 1
+    first = groups.intra if node_size > 1 else groups.inter
+
+    x, in_staging = _staged_input(input, topology, stages, slice_len)
+    send1_buf = pool.take(stages * size * slice_len * elt, device)
+    recv1_buf = pool.take(stages * size * slice_len * elt, device)
+    send1 = send1_buf.view(dtype).view(stages, node_size, nodes, slice_len)
+    # The raw form of the reorder: [node, local, stage, slice] -> [stage, local, node, slice].
+    send1.copy_(x.view(nodes, node_size, stages, slice_len).permute(2, 1, 0, 3))
+    if in_staging is not None:
+        pool.give(in_staging)
+    recv1 = recv1_buf.view(dtype).view(stages, size, slice_len)
+    hop1 = [_a2a(recv1[s], send1[s], first) for s in range(stages)]
+    _record_a2a(tag, first, size // first.size * slice_len * elt, stages)
+    comm_stats().record(tag, 0, 0, calls=1)
+    out, out_staging = _staged_output(output, topology, stages, slice_len)
+    acc_buf = pool.take(max(nodes, 1) * slice_len * 4, device)
+    acc = acc_buf.view(torch.float32)
+
+    def reduce_into(dst: torch.Tensor, chunks: torch.Tensor, div: int) -> None:
+        a = acc[:dst.numel()].view(dst.shape)
+        torch.sum(chunks, dim=0, dtype=torch.float32, out=a)
+        if div != 1:
+            a.div_(div)
+        dst.copy_(a)
+
+    if not two_hops:
+        def finish(_) -> None:
+            for s in range(stages):
+                _wait(hop1[s])
+                reduce_into(out[s * slice_len:(s + 1) * slice_len], recv1[s], divisor)
+            _finish_output(output, out, out_staging, pool)
+            pool.give(send1_buf, recv1_buf, acc_buf)
+        return _no_middle, finish
+
+    send2_buf = pool.take(stages * nodes * slice_len * elt, device)
+    recv2_buf = pool.take(stages * nodes * slice_len * elt, device)
+    send2 = send2_buf.view(dtype).view(stages, nodes, slice_len)
+    recv2 = recv2_buf.view(dtype).view(stages, nodes, slice_len)
+    _record_a2a(tag, groups.inter, slice_len * elt, stages)
+
+    def middle():
+        hop2 = []
+        for s in range(stages):
+            _wait(hop1[s])
+            # Partial sums travel in the input dtype, as in any uncompressed reduce-scatter.
+            reduce_into(send2[s], recv1[s].view(node_size, nodes, slice_len), 1)
+            hop2.append(_a2a(recv2[s], send2[s], groups.inter))
+        return hop2
+
+    def finish(hop2) -> None:
+        for s in range(stages):
+            _wait(hop2[s])
+            reduce_into(out[s * slice_len:(s + 1) * slice_len], recv2[s], divisor)
+        _finish_output(output, out, out_staging, pool)
+        pool.give(send1_buf, recv1_buf, send2_buf, recv2_buf, acc_buf)
+    return middle, finish
+
+
+# ------------------------------------------------------------ uncompressed baselines -----
+def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology, op="mean",
+                        tag: str = "dp.grad") -> None:
+    """Bandwidth-optimal flat ring reduce-scatter over send/recv: each rank sends ``size - 1``
+    chunks to its successor (NCCL's algorithm). The fair baseline on gloo, whose own
+    ``reduce_scatter_tensor`` is an all-reduce (twice the bytes and ``size`` x the output).
+    Sums in fp32; partial sums travel in the input dtype."""
+    what = "ring_reduce_scatter"
+    check_pair(output, input, what)
+    size, rank, flat = topology.size, topology.rank, topology._groups.flat
+    length = output.numel()
+    if input.numel() != size * length:
+        raise ValueError(f"{what}: input has {input.numel()} elements; group size {size} x output "
+                         f"{length} = {size * length}")
+    divisor = reduce_divisor(op, size, what)
+    intra, inter = flat.split_ring((size - 1) * length * input.element_size())
+    comm_stats().record(tag, intra, inter)
+    chunks = input.view(size, length)
+    acc = chunks[rank].to(torch.float32)
+    if size > 1 and length:
+        send = chunks[(rank - 1) % size].clone()
+        recv = torch.empty_like(send)
+        nxt, prv = (rank + 1) % size, (rank - 1) % size
+        for step in range(size - 1):
+            works = dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, send, group=flat.group, group_peer=nxt),
+                dist.P2POp(dist.irecv, recv, group=flat.group, group_peer=prv)])
+            for w in works:
+                w.wait()
+            acc = recv.to(torch.float32) + chunks[(rank - step - 2) % size].to(torch.float32)
+            if step < size - 2:
+                send.copy_(acc)
+    if divisor != 1:
+        acc = acc / divisor
+    output.view(-1).copy_(acc.view(-1))
+
+
+def torch_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology, op="mean",
+                         tag: str = "dp.grad") -> None:
+    """``torch.distributed.reduce_scatter_tensor`` (sum, then divide for the mean), with its bytes
+    recorded: gloo runs it as a ring all-reduce, ``2 (size - 1)`` chunks per rank."""
+    what = "torch_reduce_scatter"
+    check_pair(output, input, what)
+    size, flat = topology.size, topology._groups.flat
+    divisor = reduce_divisor(op, size, what)
+    chunk = output.numel() * output.element_size()
+    factor = 2 if flat.group is not None and dist.get_backend(flat.group) == "gloo" else 1
+    intra, inter = flat.split_ring(factor * (size - 1) * chunk)
+    comm_stats().record(tag, intra, inter)
+    if flat.group is None:
+        output.copy_(input.view(output.shape))
+    else:
+        dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=flat.group)
+    if divisor != 1:
+        output.div_(divisor)

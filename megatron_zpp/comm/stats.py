@@ -1,0 +1,105 @@
+"""Byte accounting: what this rank puts on the wire, intra- vs inter-node, per tag.
+
+Every collective of the project records here, compressed or not, at the moment it is
+issued (sizes are known from shapes, so recording never touches tensor data or waits).
+A record is two integer additions under a lock: cheap enough to stay on in training.
+
+Tags name the traffic by parallel dimension and role: ``dp.param`` (weight all-gather),
+``dp.param.hpz`` (the hpZ secondary gather), ``dp.grad`` (gradient reduce-scatter),
+``tp``, ``pp``, or anything a caller passes.
+
+Bytes are *sent* bytes of the algorithm that runs: all-to-all sends one chunk to each
+peer; ring all-gather / reduce-scatter send ``size - 1`` chunks to the ring successor;
+gloo's ``reduce_scatter_tensor`` is a ring all-reduce (``2 (size - 1)`` chunks).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class TagStats:
+    intra_bytes: int = 0
+    inter_bytes: int = 0
+    calls: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.intra_bytes + self.inter_bytes
+
+    def __add__(self, other: TagStats) -> TagStats:
+        return TagStats(self.intra_bytes + other.intra_bytes, self.inter_bytes + other.inter_bytes,
+                        self.calls + other.calls)
+
+
+class CommStats:
+    """Per-tag byte counters of this process. ``comm_stats()`` returns the process-wide one."""
+
+    def __init__(self) -> None:
+        self._tags: dict[str, TagStats] = {}
+        self._lock = threading.Lock()
+        self.enabled = True
+
+    def record(self, tag: str, intra_bytes: int, inter_bytes: int, calls: int = 1) -> None:
+        if not self.enabled:
+            return
+        with self._lock:
+            s = self._tags.get(tag)
+            if s is None:
+                s = self._tags[tag] = TagStats()
+            s.intra_bytes += intra_bytes
+            s.inter_bytes += inter_bytes
+            s.calls += calls
+
+    def reset(self) -> None:
+        with self._lock:
+            self._tags.clear()
+
+    def snapshot(self) -> dict[str, TagStats]:
+        """A copy of the counters: ``{tag: TagStats}``."""
+        with self._lock:
+            return {t: TagStats(s.intra_bytes, s.inter_bytes, s.calls) for t, s in self._tags.items()}
+
+    def get(self, tag: str) -> TagStats:
+        with self._lock:
+            s = self._tags.get(tag, TagStats())
+            return TagStats(s.intra_bytes, s.inter_bytes, s.calls)
+
+    def total(self) -> TagStats:
+        out = TagStats()
+        for s in self.snapshot().values():
+            out = out + s
+        return out
+
+    def summed_over_ranks(self, group: dist.ProcessGroup | None = None) -> dict[str, TagStats]:
+        """Counters summed over the ranks of ``group`` (a collective; for reports, not the hot path)."""
+        local = self.snapshot()
+        gathered: list[dict[str, TagStats] | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, local, group=group)
+        out: dict[str, TagStats] = {}
+        for per_rank in gathered:
+            for tag, s in (per_rank or {}).items():
+                out[tag] = out.get(tag, TagStats()) + s
+        return out
+
+    def __repr__(self) -> str:
+        rows = ", ".join(f"{t}: intra={s.intra_bytes} inter={s.inter_bytes} calls={s.calls}"
+                         for t, s in sorted(self.snapshot().items()))
+        return f"CommStats({rows})"
+
+
+_STATS = CommStats()
+
+
+def comm_stats() -> CommStats:
+    """This process's byte counters (``.snapshot()``, ``.get(tag)``, ``.total()``, ``.reset()``)."""
+    return _STATS
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

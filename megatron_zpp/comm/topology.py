@@ -1,0 +1,251 @@
+"""Topology: a process group seen as nodes x ranks-per-node, with its intra/inter-node subgroups.
+
+The compressed collectives need to know which peers share a node: qgZ reduces
+inside a node before anything crosses the slow link, hpZ keeps its backward
+gather inside a node, and byte accounting splits every send into intra- and
+inter-node bytes. A node is a run of ``ranks_per_node`` consecutive *global*
+ranks (torchrun / SLURM numbering), so on one box "nodes" can be simulated by
+passing ``ranks_per_node``.
+
+The group can be any process group, e.g. Megatron's strided data-parallel
+group ``[0, 2, 4, 6]`` with TP=2 on 4-GPU nodes: its members ``0, 2`` form node
+0 and ``4, 6`` node 1. Members must be node-major in group order (true for
+every Megatron group, whose ranks are ascending) and every node must hold the
+same number of them.
+
+Subgroups are created with ``use_local_synchronization=True`` so that only their
+members take part; like Megatron's own group creation this assumes SPMD: every
+rank builds its Topologies in the same order. Groups are cached per
+(member ranks, ranks_per_node, hpz size), so building a Topology twice is free.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class _GroupInfo:
+    """A subgroup plus what byte accounting needs: its members' nodes."""
+
+    group: dist.ProcessGroup | None  # None: a group of one (no communication)
+    member_nodes: tuple[int, ...]  # node index of each member, in group order
+    index: int  # this rank's index in the group
+
+    @property
+    def size(self) -> int:
+        return len(self.member_nodes)
+
+    def split_a2a(self, chunk_bytes: int) -> tuple[int, int]:
+        """(intra, inter) bytes this rank sends in an all-to-all of ``chunk_bytes`` per peer."""
+        me = self.member_nodes[self.index]
+        inter_peers = sum(1 for n in self.member_nodes if n != me)
+        intra_peers = self.size - 1 - inter_peers
+        return intra_peers * chunk_bytes, inter_peers * chunk_bytes
+
+    def split_ring(self, total_bytes: int) -> tuple[int, int]:
+        """(intra, inter) bytes when this rank sends ``total_bytes`` to its ring successor.
+
+        Ring all-gather and ring reduce-scatter (gloo's and NCCL's algorithms, and
+        ours) send everything to the next member in group order; a node-major ring
+        crosses a node boundary once per node.
+        """
+        if self.size == 1:
+            return 0, 0
+        nxt = self.member_nodes[(self.index + 1) % self.size]
+        return (0, total_bytes) if nxt != self.member_nodes[self.index] else (total_bytes, 0)
+
+
+@dataclass
+class _TopologyGroups:
+    """The cached, private groups of one Topology shape. Private so that our collectives never
+    interleave with the caller's on the same communicator, and are never deferred by
+    Megatron's ``_coalescing_manager`` on the caller's group."""
+
+    flat: _GroupInfo
+    intra: _GroupInfo
+    inter: _GroupInfo
+    hpz: _GroupInfo
+    # One worker per group set: the middle step of qgZ (wait hop 1, reduce, start hop 2) runs here
+    # so that async callers never block; a single worker keeps the hop-2 order equal on all ranks.
+    _executor: ThreadPoolExecutor | None = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    buffers: BufferPool = field(default_factory=lambda: BufferPool(), repr=False)
+    codecs: dict = field(default_factory=dict, repr=False)  # spec -> WireFormat
+    agreed: set = field(default_factory=set, repr=False)  # settings checked across ranks
+
+    def executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zpp-comm")
+            return self._executor
+
+
+_GROUP_CACHE: dict[tuple, _TopologyGroups] = {}
+
+
+def _new_group(ranks: list[int]) -> dist.ProcessGroup | None:
+    if len(ranks) == 1:
+        return None
+    return dist.new_group(ranks, use_local_synchronization=True)
+
+
+def _ranks_per_node_from_env() -> int:
+    value = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE")
+    if not value:
+        raise ValueError("ranks_per_node was not given and LOCAL_WORLD_SIZE is not set; pass "
+                         "Topology(..., ranks_per_node=N) with the number of ranks per node")
+    try:
+        return int(value.split("(")[0])
+    except ValueError:
+        raise ValueError(f"cannot read ranks per node from LOCAL_WORLD_SIZE={value!r}") from None
+
+
+class Topology:
+    """A process group as ``num_nodes`` x ``node_size`` members (node-major), with cached subgroups.
+
+    Args:
+        group: the process group the collectives run over (``None``: the world).
+        ranks_per_node: global ranks per physical (or simulated) node; default ``LOCAL_WORLD_SIZE``.
+        hpz_partition_size: members per hpZ secondary partition; divides ``node_size``; default
+            ``node_size`` (the secondary copy is spread over the whole node).
+
+    Attributes:
+        size, rank: the group's size and this rank's index in it.
+        num_nodes, node_size: nodes spanned by the group and members of the group per node.
+        node, local: this rank's node index (0..num_nodes-1) and index within its node.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, ranks_per_node: int | None = None,
+                 hpz_partition_size: int | None = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
+        group = group if group is not None else dist.group.WORLD
+        members = dist.get_process_group_ranks(group)
+        if ranks_per_node is None:
+            ranks_per_node = _ranks_per_node_from_env()
+        if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive integer")
+
+        physical_nodes = [r // ranks_per_node for r in members]
+        order: list[int] = []  # physical node ids in group order, each once
+        for i, n in enumerate(physical_nodes):
+            if not order or order[-1] != n:
+                if n in order:
+                    raise ValueError(
+                        f"group ranks {members} are not node-major for ranks_per_node={ranks_per_node}: "
+                        f"rank {members[i]} returns to node {n} after other nodes; order the group by node")
+                order.append(n)
+        counts = {n: physical_nodes.count(n) for n in order}
+        if len(set(counts.values())) != 1:
+            raise ValueError(f"group ranks {members} put {counts} members on nodes (node: count) with "
+                             f"ranks_per_node={ranks_per_node}; every node must hold the same number")
+
+        self.group = group
+        self.ranks_per_node = ranks_per_node
+        self.members = tuple(members)
+        self.size = len(members)
+        self.rank = dist.get_group_rank(group, dist.get_rank())
+        self.num_nodes = len(order)
+        self.node_size = self.size // self.num_nodes
+        self.node, self.local = divmod(self.rank, self.node_size)
+
+        if hpz_partition_size is None:
+            hpz_partition_size = self.node_size
+        if not isinstance(hpz_partition_size, int) or hpz_partition_size < 1 \
+                or self.node_size % hpz_partition_size:
+            valid = [d for d in range(1, self.node_size + 1) if self.node_size % d == 0]
+            raise ValueError(f"hpz_partition_size={hpz_partition_size!r} must divide the {self.node_size} "
+                             f"group members per node; valid: {valid}")
+        self.hpz_size = hpz_partition_size
+        self._groups = self._build_groups()
+
+    # ------------------------------------------------------------------ groups
+    def _build_groups(self) -> _TopologyGroups:
+        key = (self.members, self.ranks_per_node, self.hpz_size)
+        cached = _GROUP_CACHE.get(key)
+        if cached is not None:
+            return cached
+        n, k = self.node_size, self.hpz_size
+        node_of = tuple(i // n for i in range(self.size))  # by group index
+        intra_idx = [self.node * n + j for j in range(n)]
+        inter_idx = [m * n + self.local for m in range(self.num_nodes)]
+        hpz_first = self.node * n + (self.local // k) * k
+        hpz_idx = list(range(hpz_first, hpz_first + k))
+
+        def info(indices: list[int], flat: bool = False) -> _GroupInfo:
+            # Fixed creation order (flat, intra, inter, hpz) on every rank keeps torch's group
+            # name salt consistent among members.
+            g = _new_group([self.members[i] for i in indices])
+            return _GroupInfo(g, tuple(node_of[i] for i in indices), indices.index(self.rank))
+
+        groups = _TopologyGroups(flat=info(list(range(self.size))), intra=info(intra_idx),
+                                 inter=info(inter_idx), hpz=info(hpz_idx))
+        _GROUP_CACHE[key] = groups
+        return groups
+
+    @property
+    def intra_group(self) -> dist.ProcessGroup | None:
+        """This rank's node's members (``None`` when it is alone on its node)."""
+        return self._groups.intra.group
+
+    @property
+    def inter_group(self) -> dist.ProcessGroup | None:
+        """The members with this rank's local index on every node (``None`` on one node)."""
+        return self._groups.inter.group
+
+    @property
+    def hpz_group(self) -> dist.ProcessGroup | None:
+        """This rank's hpZ secondary partition: ``hpz_size`` consecutive members of its node."""
+        return self._groups.hpz.group
+
+    @property
+    def hpz_index(self) -> int:
+        return self._groups.hpz.index
+
+    @property
+    def buffers(self) -> BufferPool:
+        return self._groups.buffers
+
+    def node_of(self, group_rank: int) -> int:
+        return group_rank // self.node_size
+
+    def __repr__(self) -> str:
+        return (f"Topology(nodes={self.num_nodes}, node_size={self.node_size}, hpz={self.hpz_size}, "
+                f"rank={self.rank}/{self.size}, members={list(self.members)})")
+
+
+class BufferPool:
+    """Reusable uint8 scratch buffers, keyed by exact size and device.
+
+    A collective takes its scratch buffers at the call and gives them back when its
+    handle is waited on, so several calls may be in flight (Megatron issues every
+    bucket before waiting on any) and steady-state training, whose buckets repeat
+    sizes every iteration, allocates nothing on the comm path.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, torch.device], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get((nbytes, device))
+            if free:
+                return free.pop()
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def give(self, *buffers: torch.Tensor) -> None:
+        with self._lock:
+            for b in buffers:
+                self._free.setdefault((b.numel(), b.device), []).append(b)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
