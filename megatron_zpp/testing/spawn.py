@@ -1,0 +1,52 @@
+"""Run a function on ``world_size`` gloo processes on this machine and collect what each returns.
+
+Nodes are simulated: rank ``r`` is on node ``r // ranks_per_node`` (``LOCAL_WORLD_SIZE``
+is set accordingly, so ``Topology(group)`` picks it up). A failure in any rank raises in
+the caller with that rank's traceback; a hang fails after ``timeout_s`` (gloo's timeout).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import tempfile
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, fn: Callable, world_size: int, ranks_per_node: int, workdir: str, timeout_s: float,
+           args: tuple, kwargs: dict) -> None:
+    os.environ.update(LOCAL_WORLD_SIZE=str(ranks_per_node), LOCAL_RANK=str(rank % ranks_per_node),
+                      RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)  # several processes share few cores
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        result = fn(*args, **kwargs)
+        with open(f"{workdir}/result{rank}", "wb") as f:
+            pickle.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args, ranks_per_node: int | None = None,
+                    timeout_s: float = 120.0, **kwargs) -> list[Any]:
+    """Call ``fn(*args, **kwargs)`` on every rank of a fresh gloo world; return the results by rank.
+
+    ``fn`` must be importable by name (a module-level function), as processes are spawned.
+    """
+    ranks_per_node = ranks_per_node or world_size
+    if world_size % ranks_per_node:
+        raise ValueError(f"world_size={world_size} is not a multiple of ranks_per_node={ranks_per_node}")
+    with tempfile.TemporaryDirectory(prefix="zpp-dist-") as workdir:
+        mp.spawn(_entry, args=(fn, world_size, ranks_per_node, workdir, timeout_s, args, kwargs),
+                 nprocs=world_size, join=True)
+        results = []
+        for r in range(world_size):
+            with open(f"{workdir}/result{r}", "rb") as f:
+                results.append(pickle.load(f))
+        return results
