@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine:
-#   make train   the main job (today: the codec kernel benchmark; issue [3] makes it training)
+#   make train   the main job (today: the codec and collective benchmarks; issue [3] makes it training)
 #   make test    the test suite (CI: .ci/run)
 # Both create .venv (Python 3.12, megatron-core 0.19) and build the C++ kernels when missing.
 
@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train test bench cuda-build clean
+.PHONY: train test bench bench-codecs bench-collectives cuda-build clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/include/zpp/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,9 +18,16 @@ $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h 
 	touch $@
 
 train: $(STAMP)
-	$(PY) tools/bench_codecs.py $(ARGS)
+	$(PY) tools/bench_codecs.py
+	$(PY) tools/bench_collectives.py
 
 bench: train
+
+bench-codecs: $(STAMP)
+	$(PY) tools/bench_codecs.py $(ARGS)
+
+bench-collectives: $(STAMP)
+	$(PY) tools/bench_collectives.py $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
