@@ -342,7 +342,8 @@ class HostSyncError(RuntimeError):
 
 def no_host_sync_worker() -> int:
     """After a first call (which checks settings across ranks once), the collectives never read
-    tensor values on the host: ``.item()``, ``.tolist()``, ``bool()``, ``int()``, ``float()`` raise."""
+    tensor values on the host (``.item()``, ``.tolist()``, ``bool()``, ``int()``, ``float()`` raise)
+    and allocate no new scratch buffers."""
     topo = Topology(None)
     size, length = topo.size, 300
     x = torch.randn(size * length)
@@ -364,7 +365,8 @@ def no_host_sync_worker() -> int:
         if h is not None:
             h.wait()
 
-    everything(False)  # first use: settings handshake
+    everything(False)  # first use: settings handshake, scratch buffers allocated
+    allocated = topo.buffers.allocated_bytes
     def forbid(*a, **k):
         raise HostSyncError("host read of a tensor value on the comm path")
     saved = {n: getattr(torch.Tensor, n) for n in ("item", "tolist", "__bool__", "__int__", "__float__")}
@@ -378,6 +380,8 @@ def no_host_sync_worker() -> int:
     finally:
         for n, f in saved.items():
             setattr(torch.Tensor, n, f)
+    # Steady state reuses the pooled scratch buffers: nothing new was allocated.
+    assert topo.buffers.allocated_bytes == allocated, (allocated, topo.buffers.allocated_bytes)
     return calls
 
 

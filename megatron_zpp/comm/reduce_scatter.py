@@ -49,6 +49,15 @@ def _a2a(out: torch.Tensor, inp: torch.Tensor, info: _GroupInfo):
     return dist.all_to_all_single(out.view(-1), inp.view(-1), group=info.group, async_op=True)
 
 
+def _enter_device(device: torch.device) -> None:
+    """On the comm worker thread, CUDA work must target the caller's device. The worker's current
+    stream is the device's default stream: waiting on hop 1's work makes it wait for NCCL, the
+    reduce kernel runs there, hop 2 starts after it, and the caller's stream waits on hop 2 in
+    ``wait()``, so every buffer is ordered without a host synchronization."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def _wait(work) -> None:
     if work is not None:
         work.wait()
@@ -174,6 +183,7 @@ def _compressed(output, input, topology: Topology, intra_fmt: WireFormat, inter_
     _record_a2a(tag, groups.inter, rb2, stages)
 
     def middle():
+        _enter_device(device)
         hop2 = []
         for s in range(stages):
             _wait(hop1[s])
@@ -246,6 +256,7 @@ def _uncompressed(output, input, topology: Topology, intra_fmt, inter_fmt, stage
     _record_a2a(tag, groups.inter, slice_len * elt, stages)
 
     def middle():
+        _enter_device(device)
         hop2 = []
         for s in range(stages):
             _wait(hop1[s])

@@ -233,12 +233,14 @@ class BufferPool:
     def __init__(self) -> None:
         self._free: dict[tuple[int, torch.device], list[torch.Tensor]] = {}
         self._lock = threading.Lock()
+        self.allocated_bytes = 0  # ever allocated; flat in steady state
 
     def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
         with self._lock:
             free = self._free.get((nbytes, device))
             if free:
                 return free.pop()
+            self.allocated_bytes += nbytes
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def give(self, *buffers: torch.Tensor) -> None:
