@@ -1,0 +1,35 @@
+"""``ZppConfig``: what a user sets (flags ``--zpp-*`` or a YAML policy), before resolution."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True)
+class ZppConfig:
+    policy: str = "none"
+    """Compression policy: a preset in configs/policies (none, zeropp, hybrid) or the path of a YAML
+    policy file. The per-dimension flags below override its entries."""
+    dp_grad: str | None = None
+    """Codec of data-parallel gradient reduction (qgZ reduce-scatter with the distributed optimizer, a
+    compressed all-reduce without), e.g. int4:block=128; none for uncompressed."""
+    dp_grad_intra: str | None = None
+    """Codec of qgZ's intra-node hop when it differs from --zpp-dp-grad (e.g. int8:block=256 inside the
+    node, INT4 across)."""
+    dp_param: str | None = None
+    """Codec of the ZeRO parameter all-gather (qwZ), e.g. int8:block=256."""
+    tp: str | None = None
+    """Codec of tensor-parallel activation collectives (issue [4]; only none for now)."""
+    pp: str | None = None
+    """Codec of pipeline-parallel p2p activations and gradients (issue [4]; only none for now)."""
+    hpz_size: int | None = None
+    """hpZ secondary partition size in ranks (ZeRO-3 / Megatron-FSDP only); 1 disables; default: the
+    policy's (zeropp: the whole node)."""
+    ranks_per_node: int | None = None
+    """Ranks per node, to tell intra- from inter-node peers; default LOCAL_WORLD_SIZE. On one machine a
+    smaller value simulates several nodes."""
+    qgz_stages: int | None = None
+    """Pipeline stages of qgZ's two hops (ZeRO++ Algorithm 2); default the policy's (1)."""
+    dp_grad_until: float | None = None
+    """Compress dp.grad only for this fraction of --train-iters, then reduce uncompressed (ZeRO++ Table 5
+    schedule); default the policy's (1.0: always)."""

@@ -1,0 +1,162 @@
+"""Resolve a ``ZppConfig`` into a ``Policy``: parallel dimension -> codec spec, plus hop settings.
+
+A policy is data: YAML presets in ``configs/policies/`` (or a user's file), overridden per
+dimension from the command line, validated against the codec registry and checked once at
+start-up to be identical on every rank.
+
+YAML keys::
+
+    codecs:            {dp.grad: SPEC, dp.param: SPEC, tp: SPEC, pp: SPEC}   (missing = none)
+    dp_grad_intra:     SPEC or null     qgZ intra-node hop codec (default: dp.grad's)
+    hpz_size:          INT or "node"    hpZ secondary partition size (ZeRO-3 only; 1 = off)
+    qgz_stages:        INT              pipelined hops (Algorithm 2)
+    dp_grad_until:     FLOAT in (0, 1]  compress dp.grad for this fraction of the iterations
+    description:       free text
+
+DeepSpeed's ZeRO++ keys are accepted as aliases: ``zero_quantized_weights: true`` (dp.param
+int8:block=256), ``zero_quantized_gradients: true`` (dp.grad int4:block=128),
+``zero_hpz_partition_size: N`` (hpz_size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_zpp.compression import get_codec
+from megatron_zpp.policy.config import ZppConfig
+
+DIMENSIONS = ("dp.grad", "dp.param", "tp", "pp")
+PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "policies"
+ZEROPP_WEIGHTS, ZEROPP_GRADS = "int8:block=256", "int4:block=128"
+_YAML_KEYS = ("codecs", "dp_grad_intra", "hpz_size", "qgz_stages", "dp_grad_until", "description",
+              "zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size")
+# Codecs a data-parallel collective can run (the comm layer moves fixed-rate blockwise payloads).
+DP_CODECS = ("none", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A resolved policy; ``codecs`` maps every dimension of ``DIMENSIONS`` to a canonical spec."""
+
+    name: str
+    codecs: dict[str, str] = field(default_factory=dict)
+    dp_grad_intra: str | None = None
+    hpz_size: int | None = None  # None: the whole node
+    ranks_per_node: int | None = None
+    qgz_stages: int = 1
+    dp_grad_until: float = 1.0
+    description: str = ""
+
+    def codec(self, dimension: str) -> str:
+        return self.codecs[dimension]
+
+    def compresses(self, dimension: str) -> bool:
+        return self.codecs[dimension] != "none"
+
+    @property
+    def is_identity(self) -> bool:
+        return all(c == "none" for c in self.codecs.values())
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("description")
+        return d
+
+
+def available_presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def _load_yaml(policy: str) -> tuple[str, dict]:
+    import yaml  # a core dependency; imported here to keep `import megatron_zpp` light
+
+    path = Path(policy)
+    if policy in available_presets():
+        path = PRESET_DIR / f"{policy}.yaml"
+    elif not (path.suffix in (".yaml", ".yml") and path.is_file()):
+        raise ValueError(f"policy {policy!r} is neither a preset ({', '.join(available_presets())}) "
+                         f"nor an existing .yaml file")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"policy file {path} must hold a mapping, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(_YAML_KEYS))
+    if unknown:
+        raise ValueError(f"policy file {path}: unknown key(s) {unknown}; valid: {', '.join(_YAML_KEYS)}")
+    return path.stem, data
+
+
+def _canonical(spec, where: str, allowed: tuple[str, ...] | None = None) -> str:
+    if spec is None or spec is False:
+        return "none"
+    if not isinstance(spec, str):
+        raise ValueError(f"{where}: codec must be a spec string like 'int8:block=256', got {spec!r}")
+    codec = get_codec(spec)  # ValueError naming the bad codec/parameter and the valid ones
+    name = codec.spec.split(":")[0]
+    if allowed is not None and name not in allowed:
+        raise ValueError(f"{where}: codec {spec!r} cannot run on this dimension; valid: {', '.join(allowed)}")
+    return codec.spec
+
+
+def resolve_policy(config: ZppConfig) -> Policy:
+    """Preset/YAML, then aliases, then command-line overrides; every spec validated."""
+    name, data = _load_yaml(config.policy)
+    codecs_raw = dict(data.get("codecs") or {})
+    unknown = sorted(set(codecs_raw) - set(DIMENSIONS))
+    if unknown:
+        raise ValueError(f"policy {name!r}: unknown dimension(s) {unknown}; valid: {', '.join(DIMENSIONS)}")
+    if data.get("zero_quantized_weights"):
+        codecs_raw.setdefault("dp.param", ZEROPP_WEIGHTS)
+    if data.get("zero_quantized_gradients"):
+        codecs_raw.setdefault("dp.grad", ZEROPP_GRADS)
+    hpz = data.get("hpz_size", data.get("zero_hpz_partition_size"))
+    overrides = {"dp.grad": config.dp_grad, "dp.param": config.dp_param, "tp": config.tp, "pp": config.pp}
+    for dim, spec in overrides.items():
+        if spec is not None:
+            codecs_raw[dim] = spec
+    codecs = {dim: _canonical(codecs_raw.get(dim), f"policy {name!r} {dim}",
+                              DP_CODECS if dim.startswith("dp.") else None) for dim in DIMENSIONS}
+    intra = config.dp_grad_intra if config.dp_grad_intra is not None else data.get("dp_grad_intra")
+    intra = None if intra in (None, "none") and codecs["dp.grad"] == "none" else intra
+    if intra is not None:
+        intra = _canonical(intra, f"policy {name!r} dp_grad_intra", DP_CODECS)
+        if (intra == "none") != (codecs["dp.grad"] == "none"):
+            raise ValueError(f"policy {name!r}: dp_grad_intra={intra!r} and dp.grad={codecs['dp.grad']!r} must "
+                             "both be none or both quantizing")
+    if config.hpz_size is not None:
+        hpz = config.hpz_size
+    if hpz == "node":
+        hpz = None
+    if hpz is not None and (not isinstance(hpz, int) or hpz < 1):
+        raise ValueError(f"policy {name!r}: hpz_size={hpz!r} must be a positive integer or 'node'")
+    stages = config.qgz_stages if config.qgz_stages is not None else data.get("qgz_stages", 1)
+    if not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"policy {name!r}: qgz_stages={stages!r} must be a positive integer")
+    until = config.dp_grad_until if config.dp_grad_until is not None else data.get("dp_grad_until", 1.0)
+    if not isinstance(until, (int, float)) or not 0 < until <= 1:
+        raise ValueError(f"policy {name!r}: dp_grad_until={until!r} must be in (0, 1]")
+    rpn = config.ranks_per_node
+    if rpn is not None and rpn < 1:
+        raise ValueError(f"--zpp-ranks-per-node={rpn} must be a positive integer")
+    return Policy(name=name, codecs=codecs, dp_grad_intra=intra, hpz_size=hpz, ranks_per_node=rpn,
+                  qgz_stages=stages, dp_grad_until=float(until), description=str(data.get("description", "")))
+
+
+def check_policy_agreement(policy: Policy, group=None) -> None:
+    """Fail on every rank, naming the differing fields, unless all ranks resolved the same policy."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, policy.to_dict(), group=group)
+    mine = everyone[0]
+    diffs = []
+    for rank, other in enumerate(everyone):
+        for key in mine:
+            if other.get(key) != mine.get(key):
+                diffs.append(f"{key}: rank 0 has {mine.get(key)!r}, rank {rank} has {other.get(key)!r}")
+    if diffs:
+        raise ValueError("compression policy differs across ranks (every rank must pass the same --zpp-* "
+                         "flags and policy file): " + "; ".join(diffs))
