@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_zpp.comm import (HpzShard, Topology, comm_stats, hpz_all_gather, qgz_reduce_scatter,
-                               quantized_all_gather, ring_reduce_scatter, torch_reduce_scatter)
+from megatron_zpp.comm import (HpzShard, Topology, comm_stats, compressed_all_reduce, hpz_all_gather,
+                               qgz_reduce_scatter, quantized_all_gather, ring_reduce_scatter, torch_reduce_scatter)
 from megatron_zpp.compression import get_codec, layout
 
 SIZES = (1, 7, 300, 1000)  # one element, odd, not a multiple of any block, several blocks
@@ -251,6 +251,7 @@ def bytes_worker(shard: int) -> dict:
         fn()
         s = stats.summed_over_ranks()["m"]
         measured[name] = (s.intra_bytes, s.inter_bytes)
+        measured[name + ":uncompressed"] = (s.uncompressed_intra_bytes, s.uncompressed_inter_bytes)
     hpz = HpzShard(topo, shard, torch.bfloat16, "int8:block=256")
     quantized_all_gather(full, x, topo, codec="int8:block=256", hpz_shard=hpz, tag="fwd")
     stats.reset()
@@ -478,3 +479,35 @@ def analytic_cross_node_bytes(nodes: int, node_size: int, shard: int) -> dict[st
         "qgz_int4": size * (nodes - 1) * row4,
         "hpz_gather": 0,
     }
+
+
+def all_reduce_worker() -> dict:
+    """compressed_all_reduce: the mean within (reduce-scatter bound + gather bound of the result),
+    identical on every rank; sizes that do not divide by the group size included."""
+    topo = Topology(None)
+    size, rank = topo.size, topo.rank
+    out = {}
+    for codec in ("int8:block=256", "int4:block=128", "none"):
+        for numel in (1, 7, 1000):
+            data = [heavy_tailed(numel, gen(50, r)).to(torch.float32) for r in range(size)]
+            t = data[rank].clone()
+            handle = compressed_all_reduce(t, topo, codec=codec, async_op=numel > 1)
+            if handle is not None:
+                handle.wait()
+            chunk = layout.ceil_div(numel, size)
+            padded = [F.pad(d, (0, chunk * size - numel)) for d in data]
+            exact = torch.stack([p.double() for p in padded]).sum(0) / size
+            if codec == "none":
+                bound = 1e-6 * torch.stack([p.double().abs() for p in padded]).sum(0) / size
+            else:
+                rs_bound = torch.cat([qgz_expected_and_bound(padded, topo, d, codec, None, 1, size,
+                                                             torch.float32)[1] for d in range(size)])
+                bits, block, k = codec_params(codec)
+                ag_step = k * (block_absmax(exact, chunk, block) + block_absmax(rs_bound, chunk, block)) \
+                    / layout.qmax_for_bits(bits)
+                bound = rs_bound + ag_step * (1 + FP32_SLOP) + FP32_SLOP * exact.abs()
+            out[(codec, numel)] = check_close(f"all-reduce {codec} {numel}", t, exact[:numel], bound[:numel])
+            everyone = [torch.empty_like(t) for _ in range(size)]
+            dist.all_gather(everyone, t)
+            assert all(torch.equal(e, everyone[0]) for e in everyone), f"replicas differ ({codec}, {numel})"
+    return out

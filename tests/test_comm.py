@@ -62,6 +62,16 @@ def test_cross_node_bytes_2x4_bf16():
     assert abs(qwz - checks.expected_cross_node_ratio(8, 256, 2)) <= 0.01 * qwz
     assert abs(qgz - checks.expected_cross_node_ratio(4, 128, 2)) <= 0.01 * qgz
     assert measured["hpz_equals_forward"] and measured["hpz_gather"][0] > 0
+    # The counters also carry what the same call would have sent uncompressed: same ratios.
+    assert measured["qwz_int8:uncompressed"] == measured["allgather_none"]
+    assert measured["qgz_int4:uncompressed"] == measured["rs_hierarchical_none"]
+    assert measured["rs_ring:uncompressed"] == measured["rs_ring"]
+
+
+@pytest.mark.parametrize("nodes,per_node", [(2, 2), (3, 2)], ids=["2x2", "3x2"])
+def test_compressed_all_reduce(nodes, per_node):
+    worst = run_distributed(checks.all_reduce_worker, nodes * per_node, ranks_per_node=per_node)
+    print({k: round(max(w[k] for w in worst), 3) for k in worst[0]})
 
 
 def test_hpz_partition_sizes():

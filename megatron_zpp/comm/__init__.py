@@ -15,7 +15,9 @@ gives the uncompressed algorithm, recorded the same way. Design notes: ``README.
 
 from megatron_zpp.comm._common import CommHandle
 from megatron_zpp.comm.all_gather import HpzShard, hpz_all_gather, quantized_all_gather
-from megatron_zpp.comm.reduce_scatter import qgz_reduce_scatter, ring_reduce_scatter, torch_reduce_scatter
+from megatron_zpp.comm.all_reduce import compressed_all_reduce
+from megatron_zpp.comm.passthrough import record_torch_collective, torch_reduce_scatter
+from megatron_zpp.comm.reduce_scatter import qgz_reduce_scatter, ring_reduce_scatter
 from megatron_zpp.comm.stats import CommStats, TagStats, comm_stats
 from megatron_zpp.comm.topology import Topology
 
@@ -26,9 +28,11 @@ __all__ = [
     "TagStats",
     "Topology",
     "comm_stats",
+    "compressed_all_reduce",
     "hpz_all_gather",
     "qgz_reduce_scatter",
     "quantized_all_gather",
+    "record_torch_collective",
     "ring_reduce_scatter",
     "torch_reduce_scatter",
 ]

@@ -114,7 +114,8 @@ def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, topology: To
     flat = topology._groups.flat
     rb = _row_bytes(fmt, input.numel(), input.dtype)
     intra, inter = flat.split_ring((size - 1) * rb)
-    comm_stats().record(tag, intra, inter)
+    raw = flat.split_ring((size - 1) * input.numel() * input.element_size())
+    comm_stats().record(tag, intra, inter, uncompressed=raw)
     if input.numel() == 0:  # every rank's shard is empty (sizes are equal): nothing to move
         if hpz_shard is not None:
             hpz_shard.valid = True
@@ -184,7 +185,8 @@ def hpz_all_gather(output: torch.Tensor, hpz_shard: HpzShard, topology: Topology
     fmt, hpz = hpz_shard.format, topology._groups.hpz
     part = hpz_shard.payload.view(-1)
     intra, inter = hpz.split_ring((hpz.size - 1) * part.numel())
-    comm_stats().record(tag, intra, inter)
+    raw = hpz.split_ring((hpz.size - 1) * hpz_shard.rows * hpz_shard.shard_numel * output.element_size())
+    comm_stats().record(tag, intra, inter, uncompressed=raw)
     if hpz_shard.shard_numel == 0:
         return CommHandle(lambda: None) if async_op else None
 

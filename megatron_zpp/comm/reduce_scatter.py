@@ -63,9 +63,15 @@ def _wait(work) -> None:
         work.wait()
 
 
-def _record_a2a(tag: str, info: _GroupInfo, chunk_bytes: int, times: int) -> None:
-    intra, inter = info.split_a2a(chunk_bytes)
-    comm_stats().record(tag, intra * times, inter * times, calls=0)
+def _hop_bytes(topology: Topology, stages: int, row1: int, row2: int) -> tuple[int, int]:
+    """(intra, inter) bytes this rank sends in qgZ's hops with packed rows of ``row1`` / ``row2`` bytes."""
+    groups, size = topology._groups, topology.size
+    first = groups.intra if topology.node_size > 1 else groups.inter
+    intra, inter = first.split_a2a(size // first.size * row1)
+    if topology.node_size > 1 and topology.num_nodes > 1:
+        intra2, inter2 = groups.inter.split_a2a(row2)
+        intra, inter = intra + intra2, inter + inter2
+    return intra * stages, inter * stages
 
 
 def qgz_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology,
@@ -110,6 +116,15 @@ def qgz_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topo
 
     stages = min(stages, length)  # never a slice of zero elements
     slice_len = layout.ceil_div(length, stages)
+    raw_row = slice_len * input.element_size()
+    if inter_fmt.compressed:
+        first_fmt = intra_fmt if topology.node_size > 1 else inter_fmt
+        rows = (layout.row_bytes(slice_len, first_fmt.bits, first_fmt.block),
+                layout.row_bytes(slice_len, inter_fmt.bits, inter_fmt.block))
+    else:
+        rows = (raw_row, raw_row)
+    comm_stats().record(tag, *_hop_bytes(topology, stages, *rows),
+                        uncompressed=_hop_bytes(topology, stages, raw_row, raw_row))
     run = _compressed if inter_fmt.compressed else _uncompressed
     middle, finish = run(output, input, topology, intra_fmt, inter_fmt, stages, slice_len, divisor, tag)
     if not async_op:
@@ -162,8 +177,6 @@ def _compressed(output, input, topology: Topology, intra_fmt: WireFormat, inter_
         pool.give(in_staging)
     send1_s, recv1_s = send1.view(stages, size * rb1), recv1.view(stages, size * rb1)
     hop1 = [_a2a(recv1_s[s], send1_s[s], first) for s in range(stages)]
-    _record_a2a(tag, first, size // first.size * rb1, stages)
-    comm_stats().record(tag, 0, 0, calls=1)
     out, out_staging = _staged_output(output, topology, stages, slice_len)
 
     if not two_hops:
@@ -180,7 +193,6 @@ def _compressed(output, input, topology: Topology, intra_fmt: WireFormat, inter_
     send2 = pool.take(stages * nodes * rb2, device)
     recv2 = pool.take(stages * nodes * rb2, device)
     send2_s, recv2_s = send2.view(stages, nodes, rb2), recv2.view(stages, nodes, rb2)
-    _record_a2a(tag, groups.inter, rb2, stages)
 
     def middle():
         _enter_device(device)
@@ -227,8 +239,6 @@ def _uncompressed(output, input, topology: Topology, intra_fmt, inter_fmt, stage
         pool.give(in_staging)
     recv1 = recv1_buf.view(dtype).view(stages, size, slice_len)
     hop1 = [_a2a(recv1[s], send1[s], first) for s in range(stages)]
-    _record_a2a(tag, first, size // first.size * slice_len * elt, stages)
-    comm_stats().record(tag, 0, 0, calls=1)
     out, out_staging = _staged_output(output, topology, stages, slice_len)
     acc_buf = pool.take(max(nodes, 1) * slice_len * 4, device)
     acc = acc_buf.view(torch.float32)
@@ -253,7 +263,6 @@ def _uncompressed(output, input, topology: Topology, intra_fmt, inter_fmt, stage
     recv2_buf = pool.take(stages * nodes * slice_len * elt, device)
     send2 = send2_buf.view(dtype).view(stages, nodes, slice_len)
     recv2 = recv2_buf.view(dtype).view(stages, nodes, slice_len)
-    _record_a2a(tag, groups.inter, slice_len * elt, stages)
 
     def middle():
         _enter_device(device)
@@ -309,23 +318,3 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Top
     if divisor != 1:
         acc = acc / divisor
     output.view(-1).copy_(acc.view(-1))
-
-
-def torch_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology, op="mean",
-                         tag: str = "dp.grad") -> None:
-    """``torch.distributed.reduce_scatter_tensor`` (sum, then divide for the mean), with its bytes
-    recorded: gloo runs it as a ring all-reduce, ``2 (size - 1)`` chunks per rank."""
-    what = "torch_reduce_scatter"
-    check_pair(output, input, what)
-    size, flat = topology.size, topology._groups.flat
-    divisor = reduce_divisor(op, size, what)
-    chunk = output.numel() * output.element_size()
-    factor = 2 if flat.group is not None and dist.get_backend(flat.group) == "gloo" else 1
-    intra, inter = flat.split_ring(factor * (size - 1) * chunk)
-    comm_stats().record(tag, intra, inter)
-    if flat.group is None:
-        output.copy_(input.view(output.shape))
-    else:
-        dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=flat.group)
-    if divisor != 1:
-        output.div_(divisor)

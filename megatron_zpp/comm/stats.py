@@ -15,6 +15,7 @@ gloo's ``reduce_scatter_tensor`` is a ring all-reduce (``2 (size - 1)`` chunks).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 
@@ -24,17 +25,32 @@ import torch.distributed as dist
 
 @dataclass
 class TagStats:
+    """Bytes sent under one tag. ``uncompressed_*``: what the same algorithm would have sent with
+    ``codec="none"`` (equal to the actual bytes for uncompressed collectives), so the
+    compression ratio of a run comes from the same counters."""
+
     intra_bytes: int = 0
     inter_bytes: int = 0
     calls: int = 0
+    uncompressed_intra_bytes: int = 0
+    uncompressed_inter_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
         return self.intra_bytes + self.inter_bytes
 
+    @property
+    def inter_ratio(self) -> float:
+        """Inter-node bytes over the uncompressed inter-node bytes (1.0 when nothing crossed)."""
+        return self.inter_bytes / self.uncompressed_inter_bytes if self.uncompressed_inter_bytes else 1.0
+
+    @property
+    def total_ratio(self) -> float:
+        base = self.uncompressed_intra_bytes + self.uncompressed_inter_bytes
+        return self.total_bytes / base if base else 1.0
+
     def __add__(self, other: TagStats) -> TagStats:
-        return TagStats(self.intra_bytes + other.intra_bytes, self.inter_bytes + other.inter_bytes,
-                        self.calls + other.calls)
+        return TagStats(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
 
 class CommStats:
@@ -45,9 +61,12 @@ class CommStats:
         self._lock = threading.Lock()
         self.enabled = True
 
-    def record(self, tag: str, intra_bytes: int, inter_bytes: int, calls: int = 1) -> None:
+    def record(self, tag: str, intra_bytes: int, inter_bytes: int, calls: int = 1,
+               uncompressed: tuple[int, int] | None = None) -> None:
+        """Add one call's bytes; ``uncompressed`` = (intra, inter) of the same call with codec none."""
         if not self.enabled:
             return
+        base_intra, base_inter = uncompressed if uncompressed is not None else (intra_bytes, inter_bytes)
         with self._lock:
             s = self._tags.get(tag)
             if s is None:
@@ -55,6 +74,8 @@ class CommStats:
             s.intra_bytes += intra_bytes
             s.inter_bytes += inter_bytes
             s.calls += calls
+            s.uncompressed_intra_bytes += base_intra
+            s.uncompressed_inter_bytes += base_inter
 
     def reset(self) -> None:
         with self._lock:
@@ -63,12 +84,11 @@ class CommStats:
     def snapshot(self) -> dict[str, TagStats]:
         """A copy of the counters: ``{tag: TagStats}``."""
         with self._lock:
-            return {t: TagStats(s.intra_bytes, s.inter_bytes, s.calls) for t, s in self._tags.items()}
+            return {t: dataclasses.replace(s) for t, s in self._tags.items()}
 
     def get(self, tag: str) -> TagStats:
         with self._lock:
-            s = self._tags.get(tag, TagStats())
-            return TagStats(s.intra_bytes, s.inter_bytes, s.calls)
+            return dataclasses.replace(self._tags.get(tag, TagStats()))
 
     def total(self) -> TagStats:
         out = TagStats()

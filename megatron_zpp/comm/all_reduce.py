@@ -1,0 +1,62 @@
+"""Compressed all-reduce for plain data parallelism (no distributed optimizer).
+
+``compressed_all_reduce(tensor, topology, codec)`` = a qgZ reduce-scatter of ``tensor`` into
+a shard, then an all-gather of the reduced shards with the same codec, in place. Every rank
+decodes every shard, its own included, so replicas stay bit-identical. Any length (padded
+internally); cross-node bytes are qgZ's plus the quantized gather's.
+
+With ``async_op=True`` the reduce-scatter is in flight on return and ``wait()`` runs the
+gather: Megatron waits on its gradient all-reduce at the end of the backward pass, where the
+second half then runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_zpp.compression import Codec, layout
+from megatron_zpp.comm._common import CommHandle, check_float
+from megatron_zpp.comm.all_gather import quantized_all_gather
+from megatron_zpp.comm.reduce_scatter import qgz_reduce_scatter
+from megatron_zpp.comm.topology import Topology
+
+
+def compressed_all_reduce(tensor: torch.Tensor, topology: Topology, codec: str | Codec | None = "int4:block=128",
+                          op="mean", async_op: bool = False, tag: str = "dp.grad",
+                          intra_codec: str | Codec | None = None, stages: int = 1):
+    """All-reduce ``tensor`` in place (``op`` mean or sum) with a quantized reduce-scatter + all-gather."""
+    what = "compressed_all_reduce"
+    if not tensor.is_contiguous():
+        raise ValueError(f"{what}: tensor must be contiguous")
+    if codec not in (None, "none"):
+        check_float("tensor", tensor, what)
+    size, numel, pool = topology.size, tensor.numel(), topology.buffers
+    chunk = layout.ceil_div(numel, size)
+    elt = tensor.element_size()
+    flat = tensor.view(-1)
+    padded_raw = None
+    if chunk * size != numel:
+        padded_raw = pool.take(chunk * size * elt, tensor.device)
+        padded = padded_raw.view(tensor.dtype)
+        padded[numel:].zero_()
+        padded[:numel].copy_(flat)
+    else:
+        padded = flat
+    shard_raw = pool.take(max(chunk, 1) * elt, tensor.device)
+    shard = shard_raw.view(tensor.dtype)[:chunk]
+    rs = qgz_reduce_scatter(shard, padded, topology, codec=codec, op=op, async_op=True, tag=tag,
+                            intra_codec=intra_codec, stages=stages)
+
+    def finish() -> None:
+        rs.wait()
+        # The reduce-scatter read `padded` at its call, so it can receive the gather.
+        quantized_all_gather(padded, shard, topology, codec=codec, tag=tag)
+        if padded_raw is not None:
+            flat.copy_(padded[:numel])
+            pool.give(padded_raw)
+        pool.give(shard_raw)
+
+    if async_op:
+        return CommHandle(finish)
+    finish()
+    return None

@@ -1,0 +1,130 @@
+"""Run Megatron-Core on CPU with gloo: the shim for machines without a GPU.
+
+Megatron-Core's training path assumes CUDA in a handful of places (the model-parallel
+RNG tracker, ``device=torch.cuda.current_device()`` allocations, stream objects, a
+``Tensor.type()`` check in the distributed optimizer, torch norms refusing sequence
+parallelism). None of it is needed for the math, so on a machine without a GPU this
+module redirects it to the CPU. It is applied only when ``torch.cuda.is_available()`` is
+false, by ``pretrain_gpt.py`` and the tests; the GPU path never imports it.
+
+What it does (see ../shared/notes/megatron.md, section 8, for each failure it answers):
+
+- RNG: ``torch.cuda`` RNG calls and Megatron's ``_get/_set_cuda_rng_state`` use the CPU
+  generator, so the RNG tracker (dropout in model-parallel regions) works.
+- Devices: a global ``TorchFunctionMode`` maps ``device="cuda"`` / ``cuda:N`` / ordinals to
+  the CPU in every torch call, ``.cuda()`` is a no-op, ``.to("cuda")`` stays on the CPU.
+- Streams and events are inert objects; ``synchronize``/``set_device``/``empty_cache`` are no-ops.
+- ``Tensor.type()`` reports ``torch.cuda.*Tensor`` (the distributed optimizer's dtype check).
+- ``WrappedTorchNorm`` builds torch norms with sequence parallelism allowed (their params are
+  marked ``sequence_parallel`` so ``finalize_model_grads`` all-reduces them over TP).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_INSTALLED = False
+
+
+def _to_cpu_device(device):
+    if isinstance(device, torch.device):
+        return torch.device("cpu") if device.type == "cuda" else device
+    if isinstance(device, str):
+        return "cpu" if device.startswith("cuda") else device
+    if isinstance(device, int) and not isinstance(device, bool):
+        return "cpu"
+    return device
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and isinstance(args[1], (str, torch.device, int)) \
+                and not isinstance(args[1], bool):
+            args = (args[0], _to_cpu_device(args[1]), *args[2:])
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+        return func(*args, **kwargs)
+
+
+class _InertStream:
+    """Stands in for torch.cuda.Stream / Event: every method is a no-op."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+def install_cpu_shim() -> None:
+    """Apply the shim (idempotent). Call before building any Megatron-Core object."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("install_cpu_shim() is for machines without a GPU; CUDA is available here")
+
+    cpu_get = torch.get_rng_state
+    cpu_set = torch.set_rng_state
+    cuda = torch.cuda
+    cuda.get_rng_state = lambda device="cuda": cpu_get()
+    cuda.set_rng_state = lambda new_state, device="cuda": cpu_set(new_state)
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.random.set_rng_state = cuda.set_rng_state
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.random.manual_seed = cuda.manual_seed
+    cuda.manual_seed_all = lambda seed: None  # torch.manual_seed calls it; the CPU seed is already set
+    cuda.random.manual_seed_all = cuda.manual_seed_all
+    cuda.current_device = lambda: 0
+    cuda.set_device = lambda device: None
+    cuda.synchronize = lambda device=None: None
+    cuda.empty_cache = lambda: None
+    cuda.Stream = _InertStream
+    cuda.Event = _InertStream
+    cuda.current_stream = lambda device=None: _InertStream()
+    cuda.default_stream = lambda device=None: _InertStream()
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: \
+        cpu_get().clone() if clone else cpu_get()
+    mp_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: cpu_set(new_state)
+
+    from megatron.core.transformer import torch_norm
+
+    def _norm(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+              normalization="LayerNorm"):
+        norm_cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}.get(config.normalization)
+        if norm_cls is None:
+            raise ValueError(f"normalization={config.normalization!r}; the CPU shim supports LayerNorm, RMSNorm")
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = _norm
+    _CudaToCpuMode().__enter__()  # process-wide for the main thread, never exited
+    _INSTALLED = True
+
+
+def cpu_shim_installed() -> bool:
+    return _INSTALLED
