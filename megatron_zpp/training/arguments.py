@@ -1,0 +1,104 @@
+"""Command-line arguments of ``pretrain_gpt.py``: Megatron-LM's flag names, plus the ``--zpp-*`` flags.
+
+Only the flags this driver implements are accepted (argparse rejects others by name), with
+Megatron-LM's spelling and meaning. Flags issue [4] will implement (``--use-megatron-fsdp``)
+exist and fail clearly until then.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_zpp.policy import add_zpp_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="GPT pretraining on Megatron-Core with megatron_zpp compression",
+                                allow_abbrev=False)
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--use-megatron-fsdp", action="store_true", help="ZeRO-3 via Megatron-FSDP (issue [4])")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
+                   help="default: nccl with a GPU, gloo without")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=2)
+    g.add_argument("--hidden-size", type=int, default=128)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--seq-length", type=int, default=128)
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="default --seq-length")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=4)
+    g.add_argument("--global-batch-size", type=int, default=None, help="default micro batch x data parallel")
+    g.add_argument("--train-iters", type=int, default=100)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=1e-4)
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="cosine")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--seed", type=int, default=1234)
+
+    g = p.add_argument_group("data, checkpoints, logging")
+    g.add_argument("--data-path", default=None,
+                   help="prefix of a .bin/.idx made by tools/preprocess_data.py; default: the built-in corpus")
+    g.add_argument("--save", default=None, help="directory to save a checkpoint to at the end (and every "
+                                                "--save-interval iterations)")
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--load", default=None, help="directory to resume from")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--eval-interval", type=int, default=None)
+    g.add_argument("--eval-iters", type=int, default=4)
+    g.add_argument("--wandb-project", default=None)
+    g.add_argument("--wandb-exp-name", default=None)
+    g.add_argument("--wandb-save-dir", default=None)
+    add_zpp_args(p)
+    return p
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Derive defaults and check that the parallel sizes fit the world; errors name the values."""
+    if args.use_megatron_fsdp:
+        raise NotImplementedError("--use-megatron-fsdp (ZeRO-3 with qwZ + hpZ) arrives in issue [4]; use "
+                                  "--use-distributed-optimizer (ZeRO-1/2) for now")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if tp < 1 or pp < 1 or world_size % (tp * pp):
+        raise ValueError(f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) "
+                         f"parallel size = {tp * pp}")
+    args.data_parallel_size = world_size // (tp * pp)
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size % per_step:
+        raise ValueError(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
+                         f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} = {per_step}")
+    args.num_microbatches = args.global_batch_size // per_step
+    if args.num_attention_heads % tp:
+        raise ValueError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    if args.num_layers % pp:
+        raise ValueError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
+    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    if args.seq_length > args.max_position_embeddings:
+        raise ValueError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+                         f"{args.max_position_embeddings}")
+    return args

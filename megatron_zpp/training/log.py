@@ -1,0 +1,128 @@
+"""Megatron-style iteration lines with per-dimension traffic, optional W&B, and the run summary.
+
+Traffic comes from ``comm_stats`` summed over all ranks at each log interval (one small
+collective per interval, off the training path): MB sent intra- and inter-node per tag and
+the inter-node ratio to what the same collectives would have sent uncompressed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from megatron_zpp.comm import TagStats, comm_stats
+
+MB = 1e6
+
+
+def _delta(now: dict[str, TagStats], before: dict[str, TagStats]) -> dict[str, TagStats]:
+    out = {}
+    for tag, s in now.items():
+        b = before.get(tag, TagStats())
+        out[tag] = TagStats(s.intra_bytes - b.intra_bytes, s.inter_bytes - b.inter_bytes, s.calls - b.calls,
+                            s.uncompressed_intra_bytes - b.uncompressed_intra_bytes,
+                            s.uncompressed_inter_bytes - b.uncompressed_inter_bytes)
+    return out
+
+
+def traffic_text(stats: dict[str, TagStats], iterations: int) -> str:
+    parts = []
+    for tag in sorted(stats):
+        s = stats[tag]
+        parts.append(f"{tag} MB intra/inter: {s.intra_bytes / MB / iterations:.2f}/{s.inter_bytes / MB / iterations:.2f}"
+                     f" (x{s.inter_ratio:.3f})")
+    return " | ".join(parts)
+
+
+class IterationLogger:
+    def __init__(self, args, policy, log=print) -> None:
+        self.args, self.policy, self._log = args, policy, log
+        self.rank = dist.get_rank()
+        self.times: list[float] = []
+        self._last_stats: dict[str, TagStats] = {}
+        self._last_logged = 0
+        self.wandb = None
+
+    def log(self, text: str) -> None:
+        if self.rank == 0:
+            self._log(text, flush=True) if self._log is print else self._log(text)
+
+    def start(self, data, world: int) -> None:
+        a = self.args
+        self.log(f"> megatron_zpp: world {world} = TP {a.tensor_model_parallel_size} x PP "
+                 f"{a.pipeline_model_parallel_size} x DP {a.data_parallel_size}; policy {self.policy.name}: "
+                 + ", ".join(f"{d}={c}" for d, c in self.policy.codecs.items()))
+        self.log(f"> data: {data.num_tokens:,} tokens, {data.num_samples:,} samples of {a.seq_length} tokens; "
+                 f"global batch {a.global_batch_size} ({a.num_microbatches} micro-batches of {a.micro_batch_size})")
+        comm_stats().reset()
+        if a.wandb_project and self.rank == dist.get_world_size() - 1:
+            try:
+                import wandb
+            except ImportError as e:
+                raise ImportError("--wandb-project needs wandb: pip install wandb") from e
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            self.wandb = wandb.init(project=a.wandb_project, name=a.wandb_exp_name, mode=mode,
+                                    dir=a.wandb_save_dir or a.save or None,
+                                    config={**vars(a), "zpp_policy_resolved": self.policy.to_dict()})
+
+    def iteration(self, iteration: int, loss: float, lr: float, grad_norm, seconds: float, update_ok: bool) -> None:
+        self.times.append(seconds)
+        a = self.args
+        if iteration % a.log_interval and iteration != a.train_iters:
+            return
+        stats = comm_stats().summed_over_ranks()
+        interval = _delta(stats, self._last_stats)
+        n = iteration - self._last_logged
+        self._last_stats, self._last_logged = stats, iteration
+        recent = self.times[-n:]
+        mean_s = sum(recent) / len(recent)
+        tokens_per_s = a.global_batch_size * a.seq_length / mean_s
+        eta = datetime.timedelta(seconds=round(mean_s * (a.train_iters - iteration)))
+        norm = float(grad_norm) if grad_norm is not None else float("nan")
+        now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+        self.log(f" [{now}] iteration {iteration:8d}/{a.train_iters:8d} | consumed samples: "
+                 f"{iteration * a.global_batch_size:12d} | elapsed time per iteration (ms): {mean_s * 1e3:.1f} | "
+                 f"learning rate: {lr:.6E} | global batch size: {a.global_batch_size:5d} | lm loss: {loss:.6E} | "
+                 f"grad norm: {norm:.3f} | tokens/s: {tokens_per_s:.0f} | ETA {eta} | "
+                 + traffic_text(interval, n) + ("" if update_ok else " | update skipped"))
+        if self.wandb is not None:
+            record = {"lm loss": loss, "learning-rate": lr, "grad-norm": norm, "tokens-per-sec": tokens_per_s,
+                      "iteration-time": mean_s}
+            for tag, s in interval.items():
+                record.update({f"comm/{tag}/intra_MB": s.intra_bytes / MB / n, f"comm/{tag}/inter_MB":
+                               s.inter_bytes / MB / n, f"comm/{tag}/inter_ratio": s.inter_ratio})
+            self.wandb.log(record, step=iteration)
+
+    def finish(self, losses: list[float], model) -> dict:
+        a = self.args
+        stats = comm_stats().summed_over_ranks()
+        steady = self.times[1:] or self.times  # the first iteration includes warm-up
+        mean_s = statistics.mean(steady) if steady else float("nan")
+        inter = sum(s.inter_bytes for s in stats.values())
+        inter_base = sum(s.uncompressed_inter_bytes for s in stats.values())
+        summary = {
+            "iterations": len(losses), "first_loss": losses[0] if losses else float("nan"),
+            "final_loss": losses[-1] if losses else float("nan"), "losses": losses,
+            "tokens_per_s": a.global_batch_size * a.seq_length / mean_s, "seconds_per_iteration": mean_s,
+            "traffic": {t: vars(s) | {"inter_ratio": s.inter_ratio} for t, s in stats.items()},
+            "inter_bytes": inter, "inter_bytes_uncompressed": inter_base, "policy": self.policy.to_dict(),
+        }
+        self.log(f"> summary: {len(losses)} iterations, lm loss {summary['first_loss']:.4f} -> "
+                 f"{summary['final_loss']:.4f}, {summary['tokens_per_s']:.0f} tokens/s "
+                 f"({mean_s * 1e3:.0f} ms/iteration after the first)")
+        for tag in sorted(stats):
+            s = stats[tag]
+            self.log(f"> summary: {tag}: {s.calls} calls, inter-node {s.inter_bytes / MB:.2f} MB vs "
+                     f"{s.uncompressed_inter_bytes / MB:.2f} MB uncompressed (x{s.inter_ratio:.4f}), intra-node "
+                     f"{s.intra_bytes / MB:.2f} MB vs {s.uncompressed_intra_bytes / MB:.2f} MB")
+        if inter_base:
+            self.log(f"> summary: all tags: cross-node {inter / MB:.2f} MB sent vs {inter_base / MB:.2f} MB the "
+                     f"uncompressed collectives would have sent (x{inter / inter_base:.4f})")
+        if self.wandb is not None:
+            self.wandb.summary.update({k: v for k, v in summary.items() if k != "losses"})
+            self.wandb.finish()
+        return summary

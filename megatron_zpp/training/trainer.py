@@ -1,0 +1,220 @@
+"""``pretrain(argv)``: GPT pretraining on Megatron-Core with a megatron_zpp compression policy.
+
+A compact driver in the shape of Megatron-LM's ``pretrain_gpt.py``: the model is
+Megatron-Core's ``GPTModel`` (local layer spec, so Transformer Engine is optional), wrapped in
+its ``DistributedDataParallel`` with its (distributed) optimizer and pipeline schedules; the
+policy's hooks are installed before DDP is built. It runs on GPUs with NCCL and, when there is
+no GPU, on CPU processes with gloo through ``megatron_zpp.megatron.cpu_shim``.
+
+Launch with torchrun (one process per GPU, or per CPU rank)::
+
+    torchrun --nproc-per-node 4 pretrain_gpt.py --use-distributed-optimizer --zpp-policy zeropp \\
+        --zpp-ranks-per-node 2 --train-iters 50
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import warnings
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_zpp.comm import comm_stats
+from megatron_zpp.policy import check_policy_agreement, resolve_policy, zpp_config_from_args
+from megatron_zpp.training.arguments import build_parser, validate_args
+from megatron_zpp.training.data import VOCAB_SIZE, TokenWindows, builtin_corpus_prefix, micro_batches
+from megatron_zpp.training.log import IterationLogger
+
+
+def _init_distributed(args) -> torch.device:
+    use_cuda = torch.cuda.is_available()
+    if not use_cuda:
+        from megatron_zpp.megatron.cpu_shim import install_cpu_shim
+
+        install_cpu_shim()
+    backend = args.distributed_backend or ("nccl" if use_cuda else "gloo")
+    if backend == "nccl" and not use_cuda:
+        raise ValueError("--distributed-backend nccl needs a GPU; this machine has none (use gloo)")
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+
+
+def _build_model(args, device):
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    config = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout, tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size, sequence_parallel=args.sequence_parallel,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16, use_cpu_initialization=device.type == "cpu",
+        gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
+    divisor = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    padded_vocab = math.ceil(VOCAB_SIZE / divisor) * divisor
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=padded_vocab,
+                     max_sequence_length=args.max_position_embeddings,
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                     position_embedding_type="learned_absolute")
+    if device.type == "cuda":
+        model.cuda(device)
+    return config, model
+
+
+def _loss_func(loss_mask, output_tensor):
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.float().view(1)])}
+
+
+def _forward_step(device, data_iterator, model):
+    batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+def _quiet_known_warnings() -> None:
+    # Expected on machines without TE/apex (Megatron falls back to torch) and from Megatron internals.
+    for message in ("Transformer Engine and Apex are not installed", "Apex is not installed",
+                    "MimoModelConfig is experimental", "The .grad attribute of a Tensor that is not a leaf",
+                    "absl.logging is not installed", "full scope is deprecated"):
+        warnings.filterwarnings("ignore", message=message)
+
+
+def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -> dict:
+    """Parse ``argv`` (Megatron-style flags), train, and return the run summary (on every rank).
+
+    ``plugin=False`` builds the same run without installing the hooks (tests compare the two).
+    """
+    _quiet_known_warnings()
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_zpp.megatron.hooks import MegatronHooks
+
+    args = build_parser().parse_args(argv)
+    device = _init_distributed(args)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    args = validate_args(args, world)
+    policy = resolve_policy(zpp_config_from_args(args))
+    check_policy_agreement(policy)
+    hooks = MegatronHooks(policy, ranks_per_node=args.zpp_ranks_per_node)
+    if plugin:
+        hooks.install()
+
+    try:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+        tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+        torch.manual_seed(args.seed)
+        config, model = _build_model(args, device)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=args.overlap_grad_reduce,
+            overlap_param_gather=args.overlap_param_gather, use_distributed_optimizer=args.use_distributed_optimizer)
+        model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
+                            bf16=args.bf16, params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+                            use_distributed_optimizer=args.use_distributed_optimizer), [model])
+        samples = args.global_batch_size  # Megatron's scheduler counts samples, as it is stepped by them
+        scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,
+            lr_warmup_steps=args.lr_warmup_iters * samples, lr_decay_steps=args.lr_decay_iters * samples,
+            lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+            wd_incr_steps=args.train_iters * samples, wd_incr_style="constant")
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = optimizer.scale_loss
+        if args.overlap_grad_reduce:
+            config.no_sync_func = model.no_sync
+        if args.overlap_param_gather:
+            config.param_sync_func = model.start_param_sync
+
+        start_iteration = 0
+        if args.load:
+            from megatron_zpp.training.checkpoint import load_checkpoint
+
+            start_iteration = load_checkpoint(args.load, model, optimizer, scheduler)
+
+        dp_rank = parallel_state.get_data_parallel_rank()
+        dp_size = parallel_state.get_data_parallel_world_size()
+        if args.data_path:
+            prefix = args.data_path
+        else:
+            if rank == 0:
+                builtin_corpus_prefix()
+            dist.barrier()
+            prefix = builtin_corpus_prefix()
+        train_data = TokenWindows(prefix, args.seq_length, "train", seed=args.seed)
+        batches = micro_batches(train_data, args.global_batch_size, args.micro_batch_size, dp_rank, dp_size,
+                                start_sample=start_iteration * args.global_batch_size)
+        forward_backward = get_forward_backward_func()
+        logger = IterationLogger(args, policy, log=log)
+        logger.start(train_data, world)
+
+        losses = []
+        for iteration in range(start_iteration, args.train_iters):
+            hooks.set_iteration(iteration, args.train_iters)
+            t0 = time.perf_counter()
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+            reduced = forward_backward(forward_step_func=partial(_forward_step, device), data_iterator=batches,
+                                       model=[model], num_microbatches=args.num_microbatches,
+                                       seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                                       forward_only=False)
+            update_ok, grad_norm, _ = optimizer.step()
+            scheduler.step(increment=args.global_batch_size)
+            loss = _reduce_loss(reduced, parallel_state)
+            losses.append(loss)
+            logger.iteration(iteration + 1, loss, scheduler.get_lr(optimizer.param_groups[0]), grad_norm,
+                             time.perf_counter() - t0, update_ok)
+            if args.save and args.save_interval and (iteration + 1) % args.save_interval == 0:
+                from megatron_zpp.training.checkpoint import save_checkpoint
+
+                save_checkpoint(args.save, iteration + 1, model, optimizer, scheduler)
+        if args.save:
+            from megatron_zpp.training.checkpoint import save_checkpoint
+
+            save_checkpoint(args.save, args.train_iters, model, optimizer, scheduler)
+        if args.use_distributed_optimizer:
+            model.start_param_sync(force_sync=True)  # overlap mode leaves params stale until a forward
+        summary = logger.finish(losses, model)
+        return summary
+    finally:
+        if hooks.installed:
+            hooks.uninstall()
+        parallel_state.destroy_model_parallel()
+
+
+def _reduce_loss(reduced, parallel_state) -> float:
+    """Mean token loss of the iteration over the data-parallel group (last pipeline stage), sent to all."""
+    if parallel_state.is_pipeline_last_stage():
+        total = torch.stack([d["lm loss"] for d in reduced]).sum(0).to(torch.float64)
+    else:
+        total = torch.zeros(2, dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        total = total.cuda()
+    # A world-wide sum counts each DP replica once per tensor-parallel rank: the ratio is unaffected.
+    dist.all_reduce(total)
+    total = total.cpu()
+    return float(total[0] / total[1]) if total[1] > 0 else float("nan")
