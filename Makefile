@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine:
-#   make train   the main job (today: the codec and collective benchmarks; issue [3] makes it training)
+#   make train   the main job: pretrain_gpt.py on 4 CPU ranks (2 simulated nodes x 2), zeropp policy
 #   make test    the test suite (CI: .ci/run)
 # Both create .venv (Python 3.12, megatron-core 0.19) and build the C++ kernels when missing.
 
@@ -17,11 +17,19 @@ $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h 
 	$(PY) -m pip install -q --no-build-isolation -e ".[dev]"
 	touch $@
 
-train: $(STAMP)
-	$(PY) tools/bench_codecs.py
-	$(PY) tools/bench_collectives.py
+# The main job's embedded default: a small GPT (4 layers, hidden 256) on the built-in corpus (the Python
+# standard library's sources), distributed optimizer with overlap, ZeRO++ policy, ~2 minutes on 2 cores.
+NPROC ?= 4
+TRAIN_ARGS ?= --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather \
+	--zpp-policy zeropp --zpp-ranks-per-node 2 \
+	--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256 \
+	--micro-batch-size 4 --global-batch-size 32 --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 8 \
+	--train-iters 80 --log-interval 10
 
-bench: train
+train: $(STAMP)
+	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) pretrain_gpt.py $(TRAIN_ARGS) $(ARGS)
+
+bench: bench-codecs bench-collectives
 
 bench-codecs: $(STAMP)
 	$(PY) tools/bench_codecs.py $(ARGS)

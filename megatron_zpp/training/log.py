@@ -8,6 +8,7 @@ the inter-node ratio to what the same collectives would have sent uncompressed.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import statistics
 
@@ -36,6 +37,26 @@ def traffic_text(stats: dict[str, TagStats], iterations: int) -> str:
         parts.append(f"{tag} MB intra/inter: {s.intra_bytes / MB / iterations:.2f}/{s.inter_bytes / MB / iterations:.2f}"
                      f" (x{s.inter_ratio:.3f})")
     return " | ".join(parts)
+
+
+REPLICA_CHECK_MAX_NUMEL = 200_000_000
+
+
+def dp_replicas_identical(model) -> bool | None:
+    """Whether every data-parallel replica holds bit-identical parameters (a digest per rank,
+    compared over the DP group). ``None`` for models too large to digest at the end of a run."""
+    from megatron.core import parallel_state
+
+    params = [p.detach() for p in model.parameters()]
+    if sum(p.numel() for p in params) > REPLICA_CHECK_MAX_NUMEL:
+        return None
+    digest = hashlib.sha256()
+    for p in params:
+        digest.update(p.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    group = parallel_state.get_data_parallel_group()
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, digest.hexdigest(), group=group)
+    return all(d == everyone[0] for d in everyone)
 
 
 class IterationLogger:
@@ -110,10 +131,14 @@ class IterationLogger:
             "tokens_per_s": a.global_batch_size * a.seq_length / mean_s, "seconds_per_iteration": mean_s,
             "traffic": {t: vars(s) | {"inter_ratio": s.inter_ratio} for t, s in stats.items()},
             "inter_bytes": inter, "inter_bytes_uncompressed": inter_base, "policy": self.policy.to_dict(),
+            "dp_replicas_identical": dp_replicas_identical(model),
+            "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
         }
         self.log(f"> summary: {len(losses)} iterations, lm loss {summary['first_loss']:.4f} -> "
                  f"{summary['final_loss']:.4f}, {summary['tokens_per_s']:.0f} tokens/s "
                  f"({mean_s * 1e3:.0f} ms/iteration after the first)")
+        self.log(f"> summary: data-parallel replicas bit-identical: {summary['dp_replicas_identical']}; "
+                 f"parameters finite: {summary['finite']}")
         for tag in sorted(stats):
             s = stats[tag]
             self.log(f"> summary: {tag}: {s.calls} calls, inter-node {s.inter_bytes / MB:.2f} MB vs "

@@ -1,0 +1,59 @@
+"""Per-rank bodies of the Megatron-Core integration tests (spawned gloo processes, CPU shim)."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from megatron_zpp.policy import ZppConfig, check_policy_agreement, resolve_policy
+from megatron_zpp.training.trainer import pretrain
+
+SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+         "--micro-batch-size", "2", "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "constant",
+         "--log-interval", "1000"]
+
+
+def _quiet(*args, **kwargs) -> None:
+    pass
+
+
+def run_policies(parallel: list[str], iterations: int, ranks_per_node: int, overlap_variants: bool) -> dict:
+    """Train the same small GPT with the plugin absent, with ``none``, and with ``zeropp``.
+
+    With ``overlap_variants`` the first two are repeated with --overlap-grad-reduce and
+    --overlap-param-gather, and zeropp runs with them.
+    """
+    base = SMALL + parallel + ["--train-iters", str(iterations), "--zpp-ranks-per-node", str(ranks_per_node)]
+    overlap = ["--overlap-grad-reduce"] + (["--overlap-param-gather"] if "--use-distributed-optimizer" in parallel
+                                           else [])
+    out = {"absent": pretrain(base, log=_quiet, plugin=False)["losses"],
+           "none": pretrain(base + ["--zpp-policy", "none"], log=_quiet)["losses"]}
+    if overlap_variants:
+        out["absent_overlap"] = pretrain(base + overlap, log=_quiet, plugin=False)["losses"]
+        out["none_overlap"] = pretrain(base + overlap + ["--zpp-policy", "none"], log=_quiet)["losses"]
+    zeropp = pretrain(base + (overlap if overlap_variants else []) + ["--zpp-policy", "zeropp"], log=_quiet)
+    out["zeropp"] = {k: zeropp[k] for k in ("losses", "traffic", "dp_replicas_identical", "finite")}
+    return out
+
+
+def policy_mismatch() -> str:
+    """Rank 0 resolves a different dp.grad codec than the others: everyone gets a ValueError."""
+    spec = "int8:block=256" if dist.get_rank() == 0 else "int4:block=128"
+    try:
+        check_policy_agreement(resolve_policy(ZppConfig(policy="zeropp", dp_grad=spec)))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def resume_matches_straight_run(workdir: str) -> tuple[list[float], list[float]]:
+    """Train 6 iterations saving at 4; resume from 4 to 6: the last two losses must be identical."""
+    from pathlib import Path
+
+    base = SMALL + ["--use-distributed-optimizer", "--zpp-policy", "zeropp", "--zpp-ranks-per-node", "1",
+                    "--train-iters", "6"]
+    straight = pretrain(base + ["--save", workdir, "--save-interval", "4"], log=_quiet)["losses"]
+    if dist.get_rank() == 0:
+        (Path(workdir) / "latest").write_text("4")
+    dist.barrier()
+    resumed = pretrain(base + ["--load", workdir], log=_quiet)["losses"]
+    return straight[4:], resumed

@@ -1,0 +1,134 @@
+"""Megatron-Core integration on CPU/gloo: the none policy is bit-identical to no plugin; zeropp trains,
+keeps replicas identical and sends the analytic share of the bytes."""
+
+import argparse
+
+import pytest
+
+import megatron_checks as checks
+from megatron_zpp.policy import ZppConfig, resolve_policy
+from megatron_zpp.testing import run_distributed
+from megatron_zpp.training.arguments import build_parser, validate_args
+
+ITERS = 5
+# Analytic inter-node byte ratios of [2] for fp32 tensors (4 bytes/element): payload + fp32 scales.
+QWZ_FP32 = (1 + 4 / 256) / 4  # int8:block=256
+QGZ_FP32 = (0.5 + 4 / 128) / 4  # int4:block=128
+
+
+def _check(result, grad_ratio=QGZ_FP32, param_ratio=QWZ_FP32):
+    for key in result:
+        if key.startswith("none"):
+            absent = result[key.replace("none", "absent")]
+            assert result[key] == absent, (key, result[key], absent)  # bit-identical losses
+    z = result["zeropp"]
+    assert z["finite"] and z["dp_replicas_identical"], z
+    assert z["losses"][-1] < z["losses"][0] - 0.3, z["losses"]  # trains
+    traffic = z["traffic"]
+    assert abs(traffic["dp.grad"]["inter_ratio"] - grad_ratio) <= 0.02 * grad_ratio, traffic["dp.grad"]
+    if param_ratio is not None:
+        assert abs(traffic["dp.param"]["inter_ratio"] - param_ratio) <= 0.02 * param_ratio, traffic["dp.param"]
+    else:
+        assert "dp.param" not in traffic
+    print(f"\nzeropp losses {[round(v, 3) for v in z['losses']]}; dp.grad x{traffic['dp.grad']['inter_ratio']:.4f} "
+          f"(analytic {grad_ratio:.4f})" + (f"; dp.param x{traffic['dp.param']['inter_ratio']:.4f} (analytic "
+                                           f"{param_ratio:.4f})" if param_ratio else ""))
+
+
+def test_dp4_distributed_optimizer_2x2_with_and_without_overlap():
+    result = run_distributed(checks.run_policies, 4, ["--use-distributed-optimizer"], ITERS, 2, True,
+                             ranks_per_node=2, timeout_s=300)
+    _check(result[0])
+    assert all(r == result[0] for r in result[1:])  # every rank saw the same losses
+
+
+def test_tp2_dp2_distributed_optimizer():
+    result = run_distributed(checks.run_policies, 4, ["--use-distributed-optimizer",
+                                                      "--tensor-model-parallel-size", "2"], ITERS, 2, False,
+                             ranks_per_node=2, timeout_s=300)
+    _check(result[0])
+
+
+def test_plain_dp4_all_reduce():
+    # Without the distributed optimizer the gradient all-reduce is a qgZ reduce-scatter plus an INT4
+    # gather of the result: both halves carry the INT4 ratio; no ZeRO shards, so no dp.param traffic.
+    result = run_distributed(checks.run_policies, 4, [], ITERS, 2, True, ranks_per_node=2, timeout_s=300)
+    _check(result[0], param_ratio=None)
+
+
+def test_policy_mismatch_across_ranks_fails_naming_the_field():
+    for msg in run_distributed(checks.policy_mismatch, 2, ranks_per_node=1):
+        assert "dp.grad" in msg and "int8:block=256" in msg and "int4:block=128" in msg, msg
+
+
+def test_unknown_codec_and_bad_policy_fail_clearly():
+    with pytest.raises(ValueError, match="unknown codec 'int3'.*valid codecs"):
+        resolve_policy(ZppConfig(policy="zeropp", dp_grad="int3"))
+    with pytest.raises(ValueError, match="neither a preset.*hybrid.*none.*zeropp"):
+        resolve_policy(ZppConfig(policy="zeroplusplus"))
+    with pytest.raises(ValueError, match="block=7 is not valid"):
+        resolve_policy(ZppConfig(policy="none", dp_param="int8:block=7"))
+    with pytest.raises(ValueError, match="dp_grad_until=1.5"):
+        resolve_policy(ZppConfig(policy="zeropp", dp_grad_until=1.5))
+
+
+@pytest.mark.parametrize("flags,world,message", [
+    (["--tensor-model-parallel-size", "3"], 4, "world size 4 is not divisible by tensor \\(3\\)"),
+    (["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "4"], 4, "= 8"),
+    (["--global-batch-size", "6", "--micro-batch-size", "4"], 2, "--global-batch-size 6 is not a multiple"),
+    (["--tensor-model-parallel-size", "2", "--num-attention-heads", "3"], 2, "--num-attention-heads 3"),
+])
+def test_parallel_sizes_that_do_not_fit_fail_clearly(flags, world, message):
+    with pytest.raises(ValueError, match=message):
+        validate_args(build_parser().parse_args(flags), world)
+
+
+def test_presets_and_deepspeed_aliases(tmp_path):
+    zeropp = resolve_policy(ZppConfig(policy="zeropp"))
+    assert zeropp.codec("dp.grad").startswith("int4:block=128") and zeropp.codec("dp.param").startswith("int8")
+    assert resolve_policy(ZppConfig(policy="none")).is_identity
+    hybrid = resolve_policy(ZppConfig(policy="hybrid"))
+    assert hybrid.dp_grad_intra.startswith("int8") and hybrid.codec("tp") == "none"
+    f = tmp_path / "ds.yaml"
+    f.write_text("zero_quantized_weights: true\nzero_quantized_gradients: true\nzero_hpz_partition_size: 4\n")
+    ds = resolve_policy(ZppConfig(policy=str(f), dp_grad="int4:block=64"))
+    assert ds.codec("dp.param") == zeropp.codec("dp.param") and ds.hpz_size == 4
+    assert ds.codec("dp.grad").startswith("int4:block=64")  # the command line overrides the file
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("codecs: {dp.gradient: int4}\n")
+    with pytest.raises(ValueError, match="unknown dimension.*dp.gradient.*valid: dp.grad"):
+        resolve_policy(ZppConfig(policy=str(bad)))
+
+
+def test_zpp_flags_are_generated_from_the_config():
+    parser = argparse.ArgumentParser()
+    from megatron_zpp.policy import add_zpp_args, field_docs
+    add_zpp_args(parser)
+    flags = {a.option_strings[0]: a.help for a in parser._actions if a.option_strings[0].startswith("--zpp")}
+    docs = field_docs(ZppConfig)
+    assert set(flags) == {"--zpp-" + f.replace("_", "-") for f in docs}
+    assert all(docs[f.replace("--zpp-", "").replace("-", "_")].split(".")[0] in h for f, h in flags.items())
+
+
+def test_save_and_load_resume_bit_exactly(tmp_path):
+    straight, resumed = run_distributed(checks.resume_matches_straight_run, 2, str(tmp_path), ranks_per_node=1,
+                                        timeout_s=300)[0]
+    assert straight == resumed and len(resumed) == 2, (straight, resumed)
+
+
+def test_dp_grad_schedule_switches_to_uncompressed():
+    from megatron_zpp.megatron.hooks import MegatronHooks
+    hooks = MegatronHooks(resolve_policy(ZppConfig(policy="zeropp", dp_grad_until=0.25)))
+    seen = []
+    for it in range(8):
+        hooks.set_iteration(it, 8)
+        seen.append(hooks.grad_codec)
+    assert seen[:2] == [hooks.policy.codec("dp.grad")] * 2 and seen[2:] == ["none"] * 6
+
+
+def test_tp_pp_compression_is_refused_until_issue_4():
+    from megatron_zpp.megatron.hooks import MegatronHooks
+    with pytest.raises(NotImplementedError, match="--zpp-tp none"):
+        MegatronHooks(resolve_policy(ZppConfig(policy="none", tp="int8")))
+    with pytest.raises(NotImplementedError, match="issue \\[4\\]"):
+        validate_args(build_parser().parse_args(["--use-megatron-fsdp"]), 4)
