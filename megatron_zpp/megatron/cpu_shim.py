@@ -56,13 +56,14 @@ class _CudaToCpuMode(TorchFunctionMode):
 
 
 class _InertStream:
-    """Stands in for torch.cuda.Stream / Event: every method is a no-op."""
+    """Stands in for torch.cuda.Stream / Event: every method is a no-op returning another inert
+    object (``stream.record_event().wait()`` works)."""
 
     def __init__(self, *args, **kwargs) -> None:
         pass
 
     def __getattr__(self, name):
-        return lambda *args, **kwargs: None
+        return lambda *args, **kwargs: _InertStream()
 
     def query(self) -> bool:
         return True

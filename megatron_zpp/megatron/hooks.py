@@ -23,13 +23,13 @@ import logging
 import torch
 import torch.distributed as dist
 
-from megatron_zpp.comm import (Topology, compressed_all_reduce, qgz_reduce_scatter, quantized_all_gather,
-                               record_torch_collective)
+from megatron_zpp.comm import (HpzShard, Topology, compressed_all_reduce, hpz_all_gather, qgz_reduce_scatter,
+                               quantized_all_gather, record_torch_collective)
 from megatron_zpp.policy import Policy
 
 logger = logging.getLogger(__name__)
 
-GRAD_TAG, PARAM_TAG = "dp.grad", "dp.param"
+GRAD_TAG, PARAM_TAG, PARAM_BWD_TAG = "dp.grad", "dp.param", "dp.param.bwd"
 
 
 class MegatronHooks:
@@ -51,7 +51,9 @@ class MegatronHooks:
         self.policy = policy
         self.ranks_per_node = ranks_per_node or policy.ranks_per_node
         self.grad_codec = policy.codec("dp.grad")
-        self._topologies: dict[tuple[int, ...], Topology] = {}
+        self._topologies: dict[tuple, Topology] = {}
+        self._hpz_shards: dict[tuple[int, int], HpzShard] = {}
+        self._pending_gathers: dict[tuple, object] = {}  # (pipeline, bucket key) -> our gather handle
         self._saved: dict[str, object] = {}
         self.installed = False
 
@@ -62,13 +64,43 @@ class MegatronHooks:
         self.grad_codec = self.policy.codec("dp.grad") if compress else "none"
 
     # ------------------------------------------------------------------ topology
-    def topology(self, group) -> Topology:
+    def topology(self, group, hpz: bool = False) -> Topology:
+        """The topology of a data-parallel group (with the policy's hpZ partition when ``hpz``)."""
         ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-        topo = self._topologies.get(ranks)
+        hpz_size = self.policy.hpz_size if hpz else 1
+        topo = self._topologies.get((ranks, hpz_size))
         if topo is None:
-            topo = Topology(group, ranks_per_node=self.ranks_per_node, hpz_partition_size=1)
-            self._topologies[ranks] = topo
+            topo = Topology(group, ranks_per_node=self.ranks_per_node, hpz_partition_size=hpz_size)
+            self._topologies[(ranks, hpz_size)] = topo
         return topo
+
+    # ------------------------------------------------------------------ hpZ state
+    @property
+    def hpz_enabled(self) -> bool:
+        return self.policy.hpz_size != 1
+
+    def invalidate_secondary(self) -> None:
+        """Mark every hpZ secondary copy stale (the weights changed: optimizer step, checkpoint load)."""
+        for shard in self._hpz_shards.values():
+            shard.invalidate()
+
+    def drain_param_gathers(self) -> None:
+        """Finish (decode) every Megatron-FSDP parameter gather still in flight."""
+        while self._pending_gathers:
+            self._pending_gathers.pop(next(iter(self._pending_gathers))).wait()
+
+    @property
+    def hpz_bytes(self) -> int:
+        """Memory held by this rank's hpZ secondary copies."""
+        return sum(shard.nbytes for shard in self._hpz_shards.values())
+
+    def _hpz_shard(self, pipeline, bucket_id: int, shard_input, topo: Topology, codec: str) -> HpzShard:
+        key = (id(pipeline), bucket_id)
+        shard = self._hpz_shards.get(key)
+        if shard is None or shard.shard_numel != shard_input.numel() or shard.dtype != shard_input.dtype:
+            shard = HpzShard(topo, shard_input.numel(), shard_input.dtype, codec, device=shard_input.device)
+            self._hpz_shards[key] = shard
+        return shard
 
     # ------------------------------------------------------------------ install
     def install(self) -> MegatronHooks:
@@ -106,8 +138,140 @@ class MegatronHooks:
         cls.finish_grad_sync = finish_grad_sync
         cls.start_param_sync = start_param_sync
         cls.finish_param_sync = finish_param_sync
+        self._install_fsdp()
         self.installed = True
         return self
+
+    def _install_fsdp(self) -> None:
+        """Megatron-FSDP (ZeRO-3): its pipelines call torch.distributed directly, so the routing wraps
+        ``AllGatherPipeline.async_bucket_gather`` (qwZ forward, hpZ backward) and
+        ``GradReducePipeline._bucket_group_gradient_reduce`` (qgZ), and every weight install
+        (after the optimizer step, after a checkpoint load) invalidates the hpZ copies."""
+        try:
+            from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as fsdp_buf
+        except ImportError:  # Megatron-FSDP needs einops and DTensor; without it there is nothing to hook
+            return
+        hooks = self
+        gather_cls, reduce_cls, buffer_cls = fsdp_buf.AllGatherPipeline, fsdp_buf.GradReducePipeline, \
+            fsdp_buf.ParamAndGradBuffer
+        originals = {"async_bucket_gather": gather_cls.async_bucket_gather,
+                     "wait_bucket_ready": gather_cls.wait_bucket_ready,
+                     "_bucket_group_gradient_reduce": reduce_cls._bucket_group_gradient_reduce,
+                     "copy_main_weights_to_model_weights": buffer_cls.copy_main_weights_to_model_weights}
+        self._saved_fsdp = (gather_cls, reduce_cls, buffer_cls, originals)
+
+        def async_bucket_gather(pipeline, bucket_id, bwd):
+            with hooks._route_fsdp_gather(pipeline, bucket_id, bwd):
+                return originals["async_bucket_gather"](pipeline, bucket_id, bwd)
+
+        def wait_bucket_ready(pipeline, bucket_id, bwd, *args, **kwargs):
+            # all_gather_params replaces each bucket's event with its coalescing manager's, which
+            # knows nothing of ours: decode here, before Megatron marks the bucket ready.
+            handle = hooks._pending_gathers.pop((id(pipeline), pipeline.get_bucket_key(bucket_id, bwd)), None)
+            if handle is not None:
+                handle.wait()
+            return originals["wait_bucket_ready"](pipeline, bucket_id, bwd, *args, **kwargs)
+
+        def bucket_group_gradient_reduce(pipeline, bucket_group, *args, **kwargs):
+            # Decode every parameter gather still pending (the prefetched next unit) before the
+            # reduce-scatter. Observed on gloo 2x2: a qwZ decode deferred past a 2-hop qgZ corrupted
+            # training (NaN), while the same decode done here, or eagerly, trains normally; the exact
+            # aliasing inside Megatron-FSDP's bucket allocator was not pinned down. By this point the
+            # prefetched gather has had the whole backward of the current unit to complete.
+            hooks.drain_param_gathers()
+            with hooks._route_fsdp_reduce():
+                return originals["_bucket_group_gradient_reduce"](pipeline, bucket_group, *args, **kwargs)
+
+        def copy_main_weights_to_model_weights(buffer, *args, **kwargs):
+            result = originals["copy_main_weights_to_model_weights"](buffer, *args, **kwargs)
+            hooks.invalidate_secondary()
+            return result
+
+        gather_cls.async_bucket_gather = async_bucket_gather
+        gather_cls.wait_bucket_ready = wait_bucket_ready
+        reduce_cls._bucket_group_gradient_reduce = bucket_group_gradient_reduce
+        buffer_cls.copy_main_weights_to_model_weights = copy_main_weights_to_model_weights
+
+    @contextlib.contextmanager
+    def _route_fsdp_gather(self, pipeline, bucket_id: int, bwd: bool):
+        hooks = self
+        original = dist.all_gather_into_tensor
+        codec = self.policy.codec("dp.param")
+
+        def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+            if hooks._is_private(group):  # our own collectives' inner calls
+                return original(output_tensor, input_tensor, group=group, async_op=async_op)
+            topo = hooks.topology(group, hpz=hooks.hpz_enabled)
+            tag = PARAM_BWD_TAG if bwd else PARAM_TAG
+            shard = hooks._hpz_shard(pipeline, bucket_id, input_tensor, topo, codec) if hooks.hpz_enabled else None
+            key = (id(pipeline), pipeline.get_bucket_key(bucket_id, bwd))
+            if bwd and shard is not None and shard.valid:
+                handle = hpz_all_gather(output_tensor, shard, topo, async_op=True, tag=tag)
+                hooks._pending_gathers[key] = handle
+                return handle
+            if codec == "none" and shard is None:
+                record_torch_collective(tag, "all_gather", topo, input_tensor.numel() * input_tensor.element_size())
+                return original(output_tensor, input_tensor, group=group, async_op=async_op)
+            # Forward (or a backward gather with no fresh secondary copy): the full qwZ gather,
+            # which also refreshes this bucket's hpZ rows.
+            handle = quantized_all_gather(output_tensor, input_tensor, topo, codec=codec, async_op=True, tag=tag,
+                                          hpz_shard=shard)
+            if not async_op:
+                handle.wait()
+                return None
+            hooks._pending_gathers[key] = handle
+            return handle
+
+        dist.all_gather_into_tensor = all_gather_into_tensor
+        try:
+            yield
+        finally:
+            dist.all_gather_into_tensor = original
+
+    @contextlib.contextmanager
+    def _route_fsdp_reduce(self):
+        hooks = self
+        original_rs, original_ar = dist.reduce_scatter_tensor, dist.all_reduce
+
+        def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            if hooks._is_private(group):
+                return original_rs(output, input, op=op, group=group, async_op=async_op)
+            topo = hooks.topology(group)
+            if hooks.grad_codec == "none":
+                record_torch_collective(GRAD_TAG, "reduce_scatter", topo, output.numel() * output.element_size())
+                return original_rs(output, input, op=op, group=group, async_op=async_op)
+            # Synchronous: Megatron-FSDP accumulates the shard right after its coalescing block.
+            qgz_reduce_scatter(output, input, topo, codec=hooks.grad_codec, op=_op_name(op), tag=GRAD_TAG,
+                               intra_codec=hooks.policy.dp_grad_intra, stages=hooks.policy.qgz_stages)
+            return None
+
+        def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            if hooks._is_private(group) or hooks.grad_codec == "none":
+                if not hooks._is_private(group):
+                    topo = hooks.topology(group)
+                    record_torch_collective(GRAD_TAG, "all_reduce", topo,
+                                            tensor.numel() * tensor.element_size() // max(topo.size, 1))
+                return original_ar(tensor, op=op, group=group, async_op=async_op)
+            compressed_all_reduce(tensor, hooks.topology(group), codec=hooks.grad_codec, op=_op_name(op),
+                                  tag=GRAD_TAG, intra_codec=hooks.policy.dp_grad_intra,
+                                  stages=hooks.policy.qgz_stages)
+            return None
+
+        dist.reduce_scatter_tensor, dist.all_reduce = reduce_scatter_tensor, all_reduce
+        try:
+            yield
+        finally:
+            dist.reduce_scatter_tensor, dist.all_reduce = original_rs, original_ar
+
+    def _is_private(self, group) -> bool:
+        """Whether ``group`` is one of our topologies' own groups (never routed again)."""
+        if group is None:
+            return False
+        for topo in self._topologies.values():
+            g = topo._groups
+            if group in (g.flat.group, g.intra.group, g.inter.group, g.hpz.group):
+                return True
+        return False
 
     def uninstall(self) -> None:
         from megatron.core.distributed import param_and_grad_buffer as pgb
@@ -115,6 +279,13 @@ class MegatronHooks:
         for name, fn in self._saved.items():
             setattr(pgb._ParamAndGradBucketGroup, name, fn)
         self._saved = {}
+        if getattr(self, "_saved_fsdp", None):
+            gather_cls, reduce_cls, buffer_cls, originals = self._saved_fsdp
+            gather_cls.async_bucket_gather = originals["async_bucket_gather"]
+            gather_cls.wait_bucket_ready = originals["wait_bucket_ready"]
+            reduce_cls._bucket_group_gradient_reduce = originals["_bucket_group_gradient_reduce"]
+            buffer_cls.copy_main_weights_to_model_weights = originals["copy_main_weights_to_model_weights"]
+            self._saved_fsdp = None
         self.installed = False
 
     # ------------------------------------------------------------------ routing

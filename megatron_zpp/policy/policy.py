@@ -43,7 +43,7 @@ class Policy:
     name: str
     codecs: dict[str, str] = field(default_factory=dict)
     dp_grad_intra: str | None = None
-    hpz_size: int | None = None  # None: the whole node
+    hpz_size: int | None = 1  # 1: off; None: the whole node
     ranks_per_node: int | None = None
     qgz_stages: int = 1
     dp_grad_until: float = 1.0
@@ -110,7 +110,7 @@ def resolve_policy(config: ZppConfig) -> Policy:
         codecs_raw.setdefault("dp.param", ZEROPP_WEIGHTS)
     if data.get("zero_quantized_gradients"):
         codecs_raw.setdefault("dp.grad", ZEROPP_GRADS)
-    hpz = data.get("hpz_size", data.get("zero_hpz_partition_size"))
+    hpz = data.get("hpz_size", data.get("zero_hpz_partition_size", 1))  # absent: hpZ off
     overrides = {"dp.grad": config.dp_grad, "dp.param": config.dp_param, "tp": config.tp, "pp": config.pp}
     for dim, spec in overrides.items():
         if spec is not None:

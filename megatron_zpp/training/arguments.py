@@ -20,7 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--use-megatron-fsdp", action="store_true", help="ZeRO-3 via Megatron-FSDP (issue [4])")
+    g.add_argument("--use-megatron-fsdp", action="store_true",
+                   help="ZeRO-3 via Megatron-FSDP (parameters, gradients and optimizer state sharded)")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
@@ -73,9 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Derive defaults and check that the parallel sizes fit the world; errors name the values."""
-    if args.use_megatron_fsdp:
-        raise NotImplementedError("--use-megatron-fsdp (ZeRO-3 with qwZ + hpZ) arrives in issue [4]; use "
-                                  "--use-distributed-optimizer (ZeRO-1/2) for now")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1 or world_size % (tp * pp):
         raise ValueError(f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) "
@@ -93,8 +91,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                          f"--tensor-model-parallel-size {tp}")
     if args.num_layers % pp:
         raise ValueError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
-    if args.overlap_param_gather and not args.use_distributed_optimizer:
-        raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
+    if args.overlap_param_gather and not (args.use_distributed_optimizer or args.use_megatron_fsdp):
+        raise ValueError("--overlap-param-gather needs --use-distributed-optimizer or --use-megatron-fsdp")
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters

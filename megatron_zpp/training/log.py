@@ -48,6 +48,8 @@ def dp_replicas_identical(model) -> bool | None:
     from megatron.core import parallel_state
 
     params = [p.detach() for p in model.parameters()]
+    if any(hasattr(p, "to_local") for p in params):
+        return None  # ZeRO-3 (Megatron-FSDP): parameters are DTensor shards, there are no replicas
     if sum(p.numel() for p in params) > REPLICA_CHECK_MAX_NUMEL:
         return None
     digest = hashlib.sha256()
@@ -57,6 +59,10 @@ def dp_replicas_identical(model) -> bool | None:
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, digest.hexdigest(), group=group)
     return all(d == everyone[0] for d in everyone)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 class IterationLogger:
@@ -90,7 +96,8 @@ class IterationLogger:
                                     dir=a.wandb_save_dir or a.save or None,
                                     config={**vars(a), "zpp_policy_resolved": self.policy.to_dict()})
 
-    def iteration(self, iteration: int, loss: float, lr: float, grad_norm, seconds: float, update_ok: bool) -> None:
+    def iteration(self, iteration: int, loss: float, lr: float, grad_norm, seconds: float, update_ok: bool,
+                  hpz_bytes: int = 0) -> None:
         self.times.append(seconds)
         a = self.args
         if iteration % a.log_interval and iteration != a.train_iters:
@@ -109,7 +116,8 @@ class IterationLogger:
                  f"{iteration * a.global_batch_size:12d} | elapsed time per iteration (ms): {mean_s * 1e3:.1f} | "
                  f"learning rate: {lr:.6E} | global batch size: {a.global_batch_size:5d} | lm loss: {loss:.6E} | "
                  f"grad norm: {norm:.3f} | tokens/s: {tokens_per_s:.0f} | ETA {eta} | "
-                 + traffic_text(interval, n) + ("" if update_ok else " | update skipped"))
+                 + traffic_text(interval, n) + (f" | hpZ secondary MB/rank: {hpz_bytes / MB:.2f}" if hpz_bytes else "")
+                 + ("" if update_ok else " | update skipped"))
         if self.wandb is not None:
             record = {"lm loss": loss, "learning-rate": lr, "grad-norm": norm, "tokens-per-sec": tokens_per_s,
                       "iteration-time": mean_s}
@@ -118,7 +126,7 @@ class IterationLogger:
                                s.inter_bytes / MB / n, f"comm/{tag}/inter_ratio": s.inter_ratio})
             self.wandb.log(record, step=iteration)
 
-    def finish(self, losses: list[float], model) -> dict:
+    def finish(self, losses: list[float], model, hooks=None) -> dict:
         a = self.args
         stats = comm_stats().summed_over_ranks()
         steady = self.times[1:] or self.times  # the first iteration includes warm-up
@@ -132,13 +140,16 @@ class IterationLogger:
             "traffic": {t: vars(s) | {"inter_ratio": s.inter_ratio} for t, s in stats.items()},
             "inter_bytes": inter, "inter_bytes_uncompressed": inter_base, "policy": self.policy.to_dict(),
             "dp_replicas_identical": dp_replicas_identical(model),
-            "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+            "finite": all(bool(torch.isfinite(_local(p)).all()) for p in model.parameters()),
+            "hpz_bytes_per_rank": hooks.hpz_bytes if hooks is not None else 0,
         }
         self.log(f"> summary: {len(losses)} iterations, lm loss {summary['first_loss']:.4f} -> "
                  f"{summary['final_loss']:.4f}, {summary['tokens_per_s']:.0f} tokens/s "
                  f"({mean_s * 1e3:.0f} ms/iteration after the first)")
         self.log(f"> summary: data-parallel replicas bit-identical: {summary['dp_replicas_identical']}; "
-                 f"parameters finite: {summary['finite']}")
+                 f"parameters finite: {summary['finite']}"
+                 + (f"; hpZ secondary copies: {summary['hpz_bytes_per_rank'] / MB:.2f} MB per rank"
+                    if summary["hpz_bytes_per_rank"] else ""))
         for tag in sorted(stats):
             s = stats[tag]
             self.log(f"> summary: {tag}: {s.calls} calls, inter-node {s.inter_bytes / MB:.2f} MB vs "

@@ -72,6 +72,10 @@ def _build_model(args, device):
                      position_embedding_type="learned_absolute")
     if device.type == "cuda":
         model.cuda(device)
+    if args.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)  # bf16 weights and activations, fp32 logits (as Megatron-LM)
     return config, model
 
 
@@ -131,12 +135,25 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=args.overlap_grad_reduce,
             overlap_param_gather=args.overlap_param_gather, use_distributed_optimizer=args.use_distributed_optimizer)
-        model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+        if args.use_megatron_fsdp:
+            from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+            # ZeRO-3: parameters, gradients and optimizer state sharded over DP. The fused
+            # pre-scale (PREMUL_SUM) is NCCL-only, and compressed reduce-scatters pre-scale anyway.
+            ddp_config.use_megatron_fsdp = True
+            ddp_config.data_parallel_sharding_strategy = "optim_grads_params"
+            ddp_config.gradient_reduce_div_fusion = False
+            # An explicit device: Megatron-FSDP allocates gradient buckets inside backward hooks,
+            # where the CPU shim's device redirection is not active.
+            model = FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=model, device=device)
+        else:
+            model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
         optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                             adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
                             bf16=args.bf16, params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-                            use_distributed_optimizer=args.use_distributed_optimizer), [model])
+                            use_distributed_optimizer=args.use_distributed_optimizer or args.use_megatron_fsdp),
+            [model])
         samples = args.global_batch_size  # Megatron's scheduler counts samples, as it is stepped by them
         scheduler = OptimizerParamScheduler(
             optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,
@@ -155,6 +172,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             from megatron_zpp.training.checkpoint import load_checkpoint
 
             start_iteration = load_checkpoint(args.load, model, optimizer, scheduler)
+            hooks.invalidate_secondary()
 
         dp_rank = parallel_state.get_data_parallel_rank()
         dp_size = parallel_state.get_data_parallel_world_size()
@@ -183,11 +201,12 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
                                        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                                        forward_only=False)
             update_ok, grad_norm, _ = optimizer.step()
+            hooks.invalidate_secondary()  # also done by the weight-install hook; explicit for clarity
             scheduler.step(increment=args.global_batch_size)
             loss = _reduce_loss(reduced, parallel_state)
             losses.append(loss)
             logger.iteration(iteration + 1, loss, scheduler.get_lr(optimizer.param_groups[0]), grad_norm,
-                             time.perf_counter() - t0, update_ok)
+                             time.perf_counter() - t0, update_ok, hooks.hpz_bytes)
             if args.save and args.save_interval and (iteration + 1) % args.save_interval == 0:
                 from megatron_zpp.training.checkpoint import save_checkpoint
 
@@ -196,9 +215,11 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             from megatron_zpp.training.checkpoint import save_checkpoint
 
             save_checkpoint(args.save, args.train_iters, model, optimizer, scheduler)
-        if args.use_distributed_optimizer:
-            model.start_param_sync(force_sync=True)  # overlap mode leaves params stale until a forward
-        summary = logger.finish(losses, model)
+        if args.use_distributed_optimizer or args.use_megatron_fsdp:
+            # Overlap leaves params stale until the next forward, and FSDP keeps them sharded:
+            # gather them (with the policy's codec) so replicas can be compared.
+            model.start_param_sync(force_sync=True)
+        summary = logger.finish(losses, model, hooks)
         return summary
     finally:
         if hooks.installed:
