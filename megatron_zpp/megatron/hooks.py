@@ -84,11 +84,6 @@ class MegatronHooks:
         for shard in self._hpz_shards.values():
             shard.invalidate()
 
-    def drain_param_gathers(self) -> None:
-        """Finish (decode) every Megatron-FSDP parameter gather still in flight."""
-        while self._pending_gathers:
-            self._pending_gathers.pop(next(iter(self._pending_gathers))).wait()
-
     @property
     def hpz_bytes(self) -> int:
         """Memory held by this rank's hpZ secondary copies."""
@@ -173,13 +168,8 @@ class MegatronHooks:
             return originals["wait_bucket_ready"](pipeline, bucket_id, bwd, *args, **kwargs)
 
         def bucket_group_gradient_reduce(pipeline, bucket_group, *args, **kwargs):
-            # Decode every parameter gather still pending (the prefetched next unit) before the
-            # reduce-scatter. Observed on gloo 2x2: a qwZ decode deferred past a 2-hop qgZ corrupted
-            # training (NaN), while the same decode done here, or eagerly, trains normally; the exact
-            # aliasing inside Megatron-FSDP's bucket allocator was not pinned down. By this point the
-            # prefetched gather has had the whole backward of the current unit to complete.
-            hooks.drain_param_gathers()
-            with hooks._route_fsdp_reduce():
+            buffers = [pipeline.get_fsdp_buffer(b) for b in bucket_group]
+            with hooks._route_fsdp_reduce(buffers):
                 return originals["_bucket_group_gradient_reduce"](pipeline, bucket_group, *args, **kwargs)
 
         def copy_main_weights_to_model_weights(buffer, *args, **kwargs):
@@ -214,6 +204,8 @@ class MegatronHooks:
                 return original(output_tensor, input_tensor, group=group, async_op=async_op)
             # Forward (or a backward gather with no fresh secondary copy): the full qwZ gather,
             # which also refreshes this bucket's hpZ rows.
+            wbuf = pipeline.get_fsdp_buffer(bucket_id, bwd)
+            _zero_padding(input_tensor, wbuf, wbuf.shard_bucket_index.bucket_data_index)
             handle = quantized_all_gather(output_tensor, input_tensor, topo, codec=codec, async_op=True, tag=tag,
                                           hpz_shard=shard)
             if not async_op:
@@ -229,9 +221,10 @@ class MegatronHooks:
             dist.all_gather_into_tensor = original
 
     @contextlib.contextmanager
-    def _route_fsdp_reduce(self):
+    def _route_fsdp_reduce(self, buffers):
         hooks = self
         original_rs, original_ar = dist.reduce_scatter_tensor, dist.all_reduce
+        pending_buffers = list(buffers)  # Megatron-FSDP reduces the group's buckets in this order
 
         def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
             if hooks._is_private(group):
@@ -240,6 +233,9 @@ class MegatronHooks:
             if hooks.grad_codec == "none":
                 record_torch_collective(GRAD_TAG, "reduce_scatter", topo, output.numel() * output.element_size())
                 return original_rs(output, input, op=op, group=group, async_op=async_op)
+            gbuf = pending_buffers.pop(0) if pending_buffers else None
+            if gbuf is not None and gbuf.bucket_index.size == input.numel():
+                _zero_padding(input, gbuf, 0)
             # Synchronous: Megatron-FSDP accumulates the shard right after its coalescing block.
             qgz_reduce_scatter(output, input, topo, codec=hooks.grad_codec, op=_op_name(op), tag=GRAD_TAG,
                                intra_codec=hooks.policy.dp_grad_intra, stages=hooks.policy.qgz_stages)
@@ -363,6 +359,43 @@ class MegatronHooks:
             yield
         finally:
             pgb.dist_all_gather_func = original_ag
+
+
+_PADDING_CACHE: dict[int, list[tuple[int, int]]] = {}
+
+
+def _padding_ranges(buf) -> list[tuple[int, int]]:
+    """Bucket-relative ranges of a Megatron-FSDP buffer that belong to no parameter (alignment padding)."""
+    key = id(buf.item_index_map)
+    ranges = _PADDING_CACHE.get(key)
+    if ranges is None:
+        base, size = buf.bucket_index.global_data_index, buf.bucket_index.size
+        covered = sorted((it.global_data_index - base, it.global_data_index - base + it.size)
+                         for it in buf.item_index_map.values())
+        ranges, cursor = [], 0
+        for start, end in covered:
+            if start > cursor:
+                ranges.append((cursor, start))
+            cursor = max(cursor, end)
+        if cursor < size:
+            ranges.append((cursor, size))
+        _PADDING_CACHE[key] = ranges
+    return ranges
+
+
+def _zero_padding(tensor: torch.Tensor, buf, offset: int) -> None:
+    """Zero the alignment padding inside ``tensor`` (bucket coordinates start at ``offset``).
+
+    Megatron-FSDP allocates its buffers with ``torch.empty`` and never writes the padding between
+    parameters: garbage there (1e38 was observed) is harmless to an uncompressed collective, but it
+    would set the scale of its whole quantization block and wipe out the real values beside it.
+    """
+    end = offset + tensor.numel()
+    flat = tensor.view(-1)
+    for start, stop in _padding_ranges(buf):
+        lo, hi = max(start, offset), min(stop, end)
+        if lo < hi:
+            flat[lo - offset:hi - offset].zero_()
 
 
 def _wait_all(bucket_group, attr: str) -> None:
