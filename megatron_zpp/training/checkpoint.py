@@ -1,8 +1,9 @@
 """Per-rank checkpoints for ``--save`` / ``--load``.
 
-Each rank writes ``iter_NNNNNNN/rank_RRRRR.pt``: the model's state dict, the local optimizer
-state (for the distributed optimizer: this rank's shard of Adam's moments), the LR scheduler,
-and the RNG states; ``latest`` names the newest iteration. Resuming needs the same world and
+Each rank writes ``iter_NNNNNNN/rank_RRRRR.pt``: the model's state dict (not for Megatron-FSDP,
+whose weights live in shards), the optimizer's main weights as this rank holds them (fp32,
+sharded with the distributed optimizer or FSDP), the local optimizer state (Adam's moments),
+the LR scheduler and the RNG state; ``latest`` names the newest iteration. Resuming needs the same world and
 parallel layout (Megatron's resharding ``dist_checkpointing`` is the tool for changing it).
 """
 
@@ -18,14 +19,34 @@ def _inner_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _main_params(optimizer) -> list[torch.Tensor]:
+    """The parameters the optimizer updates (fp32 main weights / this rank's shards), local views."""
+    return [_local(p) for opt in _inner_optimizers(optimizer) for group in opt.optimizer.param_groups
+            for p in group["params"]]
+
+
+def _is_fsdp(model) -> bool:
+    return hasattr(model, "install_optimized_model_weights") or \
+        hasattr(getattr(model, "module", None), "install_optimized_model_weights")
+
+
 def save_checkpoint(directory: str, iteration: int, model, optimizer, scheduler) -> Path:
+    """Megatron-FSDP keeps weights only as shards (its ``state_dict`` holds freed gathered buffers),
+    so for it the optimizer's main-weight shards are the checkpoint; the model weights are
+    re-installed from them on load."""
     rank = dist.get_rank()
     folder = Path(directory) / f"iter_{iteration:07d}"
     folder.mkdir(parents=True, exist_ok=True)
+    fsdp = _is_fsdp(model)
     state = {
         "iteration": iteration,
         "world_size": dist.get_world_size(),
-        "model": model.state_dict(),
+        "model": None if fsdp else model.state_dict(),
+        "main_params": [p.detach().clone() for p in _main_params(optimizer)],
         "optimizer": [opt.optimizer.state_dict() for opt in _inner_optimizers(optimizer)],
         "scheduler": scheduler.state_dict(),
         "rng": torch.get_rng_state(),
@@ -48,10 +69,17 @@ def load_checkpoint(directory: str, model, optimizer, scheduler) -> int:
     if state["world_size"] != dist.get_world_size():
         raise ValueError(f"--load {directory}: saved with world size {state['world_size']}, now "
                          f"{dist.get_world_size()}; per-rank checkpoints need the same layout")
-    model.load_state_dict(state["model"])
+    if state["model"] is not None:
+        model.load_state_dict(state["model"])
     for opt, opt_state in zip(_inner_optimizers(optimizer), state["optimizer"]):
         opt.optimizer.load_state_dict(opt_state)
-        opt.reload_model_params()  # main (fp32) params from the loaded model params
+    with torch.no_grad():
+        for p, saved in zip(_main_params(optimizer), state["main_params"]):
+            p.copy_(saved)
+    if _is_fsdp(model):
+        target = model if hasattr(model, "install_optimized_model_weights") else model.module
+        target.install_optimized_model_weights()  # model weights from the restored main weights
+
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])
     return iteration
