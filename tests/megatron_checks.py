@@ -57,3 +57,57 @@ def resume_matches_straight_run(workdir: str) -> tuple[list[float], list[float]]
     dist.barrier()
     resumed = pretrain(base + ["--load", workdir], log=_quiet)["losses"]
     return straight[4:], resumed
+
+
+def fsdp_zeropp(iterations: int, workdir: str) -> dict:
+    """Megatron-FSDP (ZeRO-3) on 2 nodes x 2, bf16: plugin absent vs none (bit-identical), zeropp
+    (trains, every rank decodes bit-identical weights in every gather, traffic per collective),
+    and a run saved at iteration 3 and resumed with hpZ (losses equal to the uninterrupted run)."""
+    import hashlib
+    from pathlib import Path
+
+    import torch
+
+    import megatron_zpp.megatron.hooks as hooks_module
+
+    base = SMALL + ["--use-megatron-fsdp", "--bf16", "--zpp-ranks-per-node", "2", "--train-iters", str(iterations)]
+    out = {"absent": pretrain(base, log=_quiet, plugin=False)["losses"],
+           "none": pretrain(base + ["--zpp-policy", "none"], log=_quiet)["losses"]}
+
+    digests: list[str] = []
+    originals = (hooks_module.quantized_all_gather, hooks_module.hpz_all_gather)
+
+    def digesting(fn):
+        def call(output, *args, **kwargs):
+            handle = fn(output, *args, **kwargs)
+
+            class Digest:
+                def wait(self):
+                    if handle is not None:
+                        handle.wait()
+                    # A copy: exporting FSDP's bucket itself to numpy would pin its storage.
+                    raw = output.detach().clone().view(-1).view(torch.uint8)
+                    digests.append(hashlib.sha256(raw.numpy().tobytes()).hexdigest())
+            d = Digest()
+            if handle is None:
+                d.wait()
+                return None
+            return d
+        return call
+
+    hooks_module.quantized_all_gather = digesting(originals[0])
+    hooks_module.hpz_all_gather = digesting(originals[1])
+    try:
+        zeropp = pretrain(base + ["--zpp-policy", "zeropp", "--save", workdir, "--save-interval", "3"], log=_quiet)
+    finally:
+        hooks_module.quantized_all_gather, hooks_module.hpz_all_gather = originals
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, digests)
+    out["zeropp"] = {k: zeropp[k] for k in ("losses", "traffic", "finite", "hpz_bytes_per_rank")}
+    out["gathers"] = len(digests)
+    out["gathers_identical_on_all_ranks"] = all(d == everyone[0] for d in everyone)
+    if dist.get_rank() == 0:
+        (Path(workdir) / "latest").write_text("3")
+    dist.barrier()
+    out["resumed"] = pretrain(base + ["--zpp-policy", "zeropp", "--load", workdir], log=_quiet)["losses"]
+    return out
