@@ -49,10 +49,45 @@ class _CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.to and len(args) > 1 and isinstance(args[1], (str, torch.device, int)) \
                 and not isinstance(args[1], bool):
             args = (args[0], _to_cpu_device(args[1]), *args[2:])
+        if func is torch.autograd.backward or func is torch.Tensor.backward:
+            return _backward_with_mode(self, func, args, kwargs)
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
             return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
         return func(*args, **kwargs)
+
+
+def _backward_with_mode(mode: TorchFunctionMode, func, args, kwargs):
+    """Run backward with the mode active for the Python hooks and autograd functions it calls.
+
+    A mode is switched off while its own handler runs, and calling ``torch.autograd.backward``
+    again would re-enter the handler; so the engine is called directly, under the mode.
+    Megatron allocates with ``device=torch.cuda.current_device()`` inside backward (sequence-
+    parallel reduce-scatter buffers, Megatron-FSDP gradient buckets).
+    """
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+
+    if func is torch.Tensor.backward:
+        tensor, *rest = args
+        names = ("gradient", "retain_graph", "create_graph", "inputs")
+        options = dict(zip(names, rest)) | kwargs
+        tensors, grad_tensors = (tensor,), options.get("gradient")
+    else:
+        names = ("tensors", "grad_tensors", "retain_graph", "create_graph", "grad_variables", "inputs")
+        options = dict(zip(names, args)) | kwargs
+        tensors = options["tensors"]
+        tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+        grad_tensors = options.get("grad_tensors")
+    create_graph = bool(options.get("create_graph", False))
+    retain_graph = options.get("retain_graph")
+    retain_graph = create_graph if retain_graph is None else retain_graph
+    inputs = options.get("inputs")
+    inputs = () if inputs is None else ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs))
+    grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(grad_tensors, len(tensors)), is_grads_batched=False)
+    with mode:
+        _engine_run_backward(tensors, grads, retain_graph, create_graph, inputs, allow_unreachable=True,
+                             accumulate_grad=True)
 
 
 class _InertStream:
@@ -94,7 +129,7 @@ def install_cpu_shim() -> None:
     cuda.random.manual_seed = cuda.manual_seed
     cuda.manual_seed_all = lambda seed: None  # torch.manual_seed calls it; the CPU seed is already set
     cuda.random.manual_seed_all = cuda.manual_seed_all
-    cuda.current_device = lambda: 0
+    cuda.current_device = lambda: 0  # an ordinal: Megatron-FSDP formats f"cuda:{idx}"
     cuda.set_device = lambda device: None
     cuda.synchronize = lambda device=None: None
     cuda.empty_cache = lambda: None

@@ -36,18 +36,13 @@ class MegatronHooks:
     """The installed policy. ``install()`` before building Megatron's DDP; ``uninstall()`` restores.
 
     Args:
-        policy: the resolved policy (``dp.grad`` and ``dp.param`` are used here; ``tp``/``pp``
-            arrive with issue [4] and must be ``none``).
+        policy: the resolved policy (``dp.grad``, ``dp.param`` here; ``tp`` and ``pp`` through
+            ``model_parallel.ModelParallelHooks``).
         ranks_per_node: for the topology of each data-parallel group (default: the policy's, then
             ``LOCAL_WORLD_SIZE``).
     """
 
     def __init__(self, policy: Policy, ranks_per_node: int | None = None) -> None:
-        for dim in ("tp", "pp"):
-            if policy.compresses(dim):
-                raise NotImplementedError(f"policy {policy.name!r} compresses {dim} ({policy.codec(dim)}); "
-                                          f"tensor/pipeline-parallel compression arrives in issue [4]; "
-                                          f"set --zpp-{dim} none")
         self.policy = policy
         self.ranks_per_node = ranks_per_node or policy.ranks_per_node
         self.grad_codec = policy.codec("dp.grad")
@@ -134,6 +129,10 @@ class MegatronHooks:
         cls.start_param_sync = start_param_sync
         cls.finish_param_sync = finish_param_sync
         self._install_fsdp()
+        from megatron_zpp.megatron.model_parallel import ModelParallelHooks
+
+        self._model_parallel = ModelParallelHooks(self.policy.codec("pp"), self.policy.codec("tp"),
+                                                  self.ranks_per_node).install()
         self.installed = True
         return self
 
@@ -282,6 +281,9 @@ class MegatronHooks:
             reduce_cls._bucket_group_gradient_reduce = originals["_bucket_group_gradient_reduce"]
             buffer_cls.copy_main_weights_to_model_weights = originals["copy_main_weights_to_model_weights"]
             self._saved_fsdp = None
+        if getattr(self, "_model_parallel", None) is not None:
+            self._model_parallel.uninstall()
+            self._model_parallel = None
         self.installed = False
 
     # ------------------------------------------------------------------ routing

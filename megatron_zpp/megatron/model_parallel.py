@@ -1,0 +1,157 @@
+"""The policy's ``pp`` and ``tp`` codecs on Megatron-Core's pipeline p2p and tensor-parallel collectives.
+
+Pipeline (``pp``): ``p2p_communication._batched_p2p_ops`` / ``_p2p_ops`` (looked up by
+``P2PCommunicator`` at call time) are wrapped: sends are encoded, receives post payload buffers
+of the size the known shape implies, and the returned requests decode into Megatron's receive
+tensors in ``wait()``. This covers every schedule, interleaved and overlapped p2p included,
+since they all wait on these requests before reading.
+
+Tensor (``tp``): the collectives of ``tensor_parallel.mappings`` (``_reduce`` all-reduce, the
+first/last-dim all-gathers and reduce-scatters through ``dist_all_gather_func`` /
+``dist_reduce_scatter_func``) and of ``tensor_parallel.layers`` (sequence-parallel all-gather /
+reduce-scatter, and the backward all-reduce of ``LinearWithGradAccumulationAndAsyncCommunication``)
+go through compressed versions on the TP group. The vocabulary-parallel cross-entropy's
+reductions are left exact (they are not routed).
+
+With a ``none`` codec nothing is replaced, so training is bit-identical to Megatron's.
+Traffic is recorded under the tags ``pp`` and ``tp``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_zpp.comm import Topology, compressed_all_reduce, qgz_reduce_scatter, quantized_all_gather
+from megatron_zpp.comm.p2p import DecodingRequest, P2PCodec, record_p2p
+
+PP_TAG, TP_TAG = "pp", "tp"
+
+
+class ModelParallelHooks:
+    """Installs the ``pp`` / ``tp`` codecs; ``uninstall()`` restores Megatron's functions."""
+
+    def __init__(self, pp_codec: str, tp_codec: str, ranks_per_node: int | None) -> None:
+        self.pp = P2PCodec(pp_codec) if pp_codec != "none" else None
+        self.tp_codec = tp_codec
+        self.ranks_per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None
+        self._restore: list[tuple[object, str, object]] = []
+        self._topologies: dict[tuple[int, ...], Topology] = {}
+
+    def _patch(self, owner, name: str, value) -> None:
+        self._restore.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    def install(self) -> ModelParallelHooks:
+        if self.pp is not None:
+            self._install_pp()
+        if self.tp_codec != "none":
+            self._install_tp()
+        return self
+
+    def uninstall(self) -> None:
+        for owner, name, value in reversed(self._restore):
+            setattr(owner, name, value)
+        self._restore = []
+
+    # ------------------------------------------------------------------ pipeline
+    def _install_pp(self) -> None:
+        from megatron.core.pipeline_parallel import p2p_communication as p2p
+
+        codec, me = self.pp, dist.get_rank()
+        rpn = self.ranks_per_node or dist.get_world_size()
+        originals = {"_batched_p2p_ops": p2p._batched_p2p_ops, "_p2p_ops": p2p._p2p_ops}
+
+        def encoded_call(name, *, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
+                         group, prev_pipeline_rank, next_pipeline_rank):
+            sends = {}
+            for key, t, peer in (("send_prev", tensor_send_prev, prev_pipeline_rank),
+                                 ("send_next", tensor_send_next, next_pipeline_rank)):
+                if t is not None:
+                    sends[key] = codec.encode(t)
+                    record_p2p(PP_TAG, peer, me, rpn, sends[key].numel(), t.numel() * t.element_size())
+            recvs = {key: codec.empty_payload(t) for key, t in (("recv_prev", tensor_recv_prev),
+                                                                  ("recv_next", tensor_recv_next)) if t is not None}
+            reqs = originals[name](
+                tensor_send_prev=sends.get("send_prev"), tensor_recv_prev=recvs.get("recv_prev"),
+                tensor_send_next=sends.get("send_next"), tensor_recv_next=recvs.get("recv_next"),
+                group=group, prev_pipeline_rank=prev_pipeline_rank, next_pipeline_rank=next_pipeline_rank)
+            outs = {"recv_prev": tensor_recv_prev, "recv_next": tensor_recv_next}
+            if isinstance(reqs, dict):  # _p2p_ops: one request per direction
+                return {key: DecodingRequest([req], [(codec, recvs[key], outs[key])] if key in recvs else [],
+                                             keep=sends.get(key)) for key, req in reqs.items()}
+            decodes = [(codec, recvs[key], outs[key]) for key in recvs]
+            return [DecodingRequest(reqs, decodes, keep=sends)] if reqs else []
+
+        def batched(**kwargs):
+            return encoded_call("_batched_p2p_ops", **kwargs)
+
+        def single(**kwargs):
+            return encoded_call("_p2p_ops", **kwargs)
+
+        self._patch(p2p, "_batched_p2p_ops", batched)
+        self._patch(p2p, "_p2p_ops", single)
+
+    # ------------------------------------------------------------------ tensor
+    def _topology(self, group) -> Topology:
+        ranks = tuple(dist.get_process_group_ranks(group))
+        topo = self._topologies.get(ranks)
+        if topo is None:
+            topo = Topology(group, ranks_per_node=self.ranks_per_node or dist.get_world_size(),
+                            hpz_partition_size=1)
+            self._topologies[ranks] = topo
+        return topo
+
+    def _install_tp(self) -> None:
+        from megatron.core.tensor_parallel import layers, mappings
+
+        codec = self.tp_codec
+        hooks = self
+
+        def all_gather(output, input, group=None, async_op=False):
+            return quantized_all_gather(output, input.contiguous(), hooks._topology(group), codec=codec,
+                                        async_op=async_op, tag=TP_TAG)
+
+        def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            return qgz_reduce_scatter(output, input.contiguous(), hooks._topology(group), codec=codec,
+                                      op="sum" if op == dist.ReduceOp.SUM else "mean", async_op=async_op, tag=TP_TAG)
+
+        def reduce(input_, group):  # mappings._reduce: all-reduce in the TP region
+            if group.size() == 1:
+                return input_
+            out = input_.contiguous()
+            compressed_all_reduce(out, hooks._topology(group), codec=codec, op="sum", tag=TP_TAG)
+            return out
+
+        for module in (mappings, layers):
+            self._patch(module, "dist_all_gather_func", all_gather)
+            self._patch(module, "dist_reduce_scatter_func", reduce_scatter)
+        self._patch(mappings, "_reduce", reduce)
+
+        linear = layers.LinearWithGradAccumulationAndAsyncCommunication
+        original_backward = linear.backward
+
+        @contextlib.contextmanager
+        def route_tp_all_reduce():
+            original = dist.all_reduce
+
+            def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+                if op != dist.ReduceOp.SUM or group is None or group.size() == 1:
+                    return original(tensor, op=op, group=group, async_op=async_op)
+                return compressed_all_reduce(tensor, hooks._topology(group), codec=codec, op="sum",
+                                             async_op=async_op, tag=TP_TAG)
+
+            dist.all_reduce = all_reduce
+            try:
+                yield
+            finally:
+                dist.all_reduce = original
+
+        def backward(ctx, *grads):
+            with route_tp_all_reduce():
+                return original_backward(ctx, *grads)
+
+        self._patch(linear, "backward", staticmethod(backward))
