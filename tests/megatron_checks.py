@@ -111,3 +111,13 @@ def fsdp_zeropp(iterations: int, workdir: str) -> dict:
     dist.barrier()
     out["resumed"] = pretrain(base + ["--zpp-policy", "zeropp", "--load", workdir], log=_quiet)["losses"]
     return out
+
+
+def model_parallel_codecs(parallel: list[str], dim: str, iterations: int) -> dict:
+    """``--zpp-{dim} int8`` trains; ``none`` is bit-identical to no plugin; traffic under ``dim``."""
+    base = SMALL + parallel + ["--train-iters", str(iterations), "--zpp-ranks-per-node", "2"]
+    out = {"absent": pretrain(base, log=_quiet, plugin=False)["losses"],
+           "none": pretrain(base + ["--zpp-policy", "none"], log=_quiet)["losses"]}
+    run = pretrain(base + [f"--zpp-{dim}", "int8:block=256"], log=_quiet)
+    out["int8"] = {k: run[k] for k in ("losses", "traffic", "finite")}
+    return out

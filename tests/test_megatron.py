@@ -155,3 +155,24 @@ def test_megatron_fsdp_zeropp_2x2(tmp_path):
     assert abs(grad - QGZ_FP32 * 2) <= 0.02 * QGZ_FP32 * 2  # bf16: (0.5 + 4/128) / 2
     assert bwd_inter == 0 and t["dp.param.bwd"]["intra_bytes"] > 0
     assert r["resumed"] == z["losses"][3:], (r["resumed"], z["losses"])
+
+
+@pytest.mark.parametrize("parallel,dim", [
+    (["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"], "pp"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--global-batch-size", "16"], "pp"),
+    (["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"], "tp"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer"], "tp"),
+], ids=["pp2xdp2", "pp2xdp2-interleaved", "tp2xdp2", "tp2xdp2-sp"])
+def test_pipeline_and_tensor_parallel_codecs(parallel, dim):
+    r = run_distributed(checks.model_parallel_codecs, 4, parallel, dim, ITERS, ranks_per_node=2, timeout_s=300)[0]
+    assert r["none"] == r["absent"], (r["none"], r["absent"])
+    z = r["int8"]
+    assert z["finite"] and z["losses"][-1] < z["losses"][0] - 0.3, z["losses"]
+    # INT8 + one fp32 scale per 256 values on fp32 activations: (1 + 4/256) / 4 of the bytes.
+    t = z["traffic"][dim]
+    ratio = (t["intra_bytes"] + t["inter_bytes"]) / (t["uncompressed_intra_bytes"] + t["uncompressed_inter_bytes"])
+    print(f"\n{dim} int8 {parallel}: losses {[round(v, 3) for v in z['losses']]} vs none "
+          f"{[round(v, 3) for v in r['none']]}; bytes x{ratio:.4f}")
+    assert abs(ratio - QWZ_FP32) <= 0.02 * QWZ_FP32
+    assert abs(z["losses"][-1] - r["none"][-1]) < 0.05  # INT8 activations barely move the loss

@@ -18,12 +18,17 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="interleaved 1F1B: layers per virtual pipeline stage")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--use-megatron-fsdp", action="store_true",
                    help="ZeRO-3 via Megatron-FSDP (parameters, gradients and optimizer state sharded)")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--no-overlap-p2p-communication", dest="overlap_p2p_communication", action="store_false",
+                   help="interleaved schedule: batched, non-overlapped p2p instead of Megatron-LM's default "
+                        "overlapped p2p")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
                    help="default: nccl with a GPU, gloo without")
 
@@ -91,6 +96,17 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                          f"--tensor-model-parallel-size {tp}")
     if args.num_layers % pp:
         raise ValueError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    args.virtual_pipeline_model_parallel_size = None
+    if args.num_layers_per_virtual_pipeline_stage:
+        per_stage = args.num_layers // pp
+        if pp < 2 or per_stage % args.num_layers_per_virtual_pipeline_stage:
+            raise ValueError(f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage} "
+                             f"must divide the {per_stage} layers of each of >= 2 pipeline stages")
+        args.virtual_pipeline_model_parallel_size = per_stage // args.num_layers_per_virtual_pipeline_stage
+        if args.use_megatron_fsdp:
+            raise ValueError("--num-layers-per-virtual-pipeline-stage with --use-megatron-fsdp is not supported")
+    # As in Megatron-LM: p2p overlap is the interleaved schedule's default and only exists there.
+    args.overlap_p2p_communication = bool(args.overlap_p2p_communication and args.virtual_pipeline_model_parallel_size)
     if args.overlap_param_gather and not (args.use_distributed_optimizer or args.use_megatron_fsdp):
         raise ValueError("--overlap-param-gather needs --use-distributed-optimizer or --use-megatron-fsdp")
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length

@@ -29,23 +29,24 @@ def _main_params(optimizer) -> list[torch.Tensor]:
             for p in group["params"]]
 
 
-def _is_fsdp(model) -> bool:
+def _is_fsdp(models) -> bool:
+    model = models[0]
     return hasattr(model, "install_optimized_model_weights") or \
         hasattr(getattr(model, "module", None), "install_optimized_model_weights")
 
 
-def save_checkpoint(directory: str, iteration: int, model, optimizer, scheduler) -> Path:
+def save_checkpoint(directory: str, iteration: int, models: list, optimizer, scheduler) -> Path:
     """Megatron-FSDP keeps weights only as shards (its ``state_dict`` holds freed gathered buffers),
     so for it the optimizer's main-weight shards are the checkpoint; the model weights are
     re-installed from them on load."""
     rank = dist.get_rank()
     folder = Path(directory) / f"iter_{iteration:07d}"
     folder.mkdir(parents=True, exist_ok=True)
-    fsdp = _is_fsdp(model)
+    fsdp = _is_fsdp(models)
     state = {
         "iteration": iteration,
         "world_size": dist.get_world_size(),
-        "model": None if fsdp else model.state_dict(),
+        "model": None if fsdp else [m.state_dict() for m in models],
         "main_params": [p.detach().clone() for p in _main_params(optimizer)],
         "optimizer": [opt.optimizer.state_dict() for opt in _inner_optimizers(optimizer)],
         "scheduler": scheduler.state_dict(),
@@ -58,7 +59,7 @@ def save_checkpoint(directory: str, iteration: int, model, optimizer, scheduler)
     return folder
 
 
-def load_checkpoint(directory: str, model, optimizer, scheduler) -> int:
+def load_checkpoint(directory: str, models: list, optimizer, scheduler) -> int:
     """Load the newest checkpoint under ``directory``; return its iteration."""
     latest = Path(directory) / "latest"
     if not latest.exists():
@@ -70,15 +71,17 @@ def load_checkpoint(directory: str, model, optimizer, scheduler) -> int:
         raise ValueError(f"--load {directory}: saved with world size {state['world_size']}, now "
                          f"{dist.get_world_size()}; per-rank checkpoints need the same layout")
     if state["model"] is not None:
-        model.load_state_dict(state["model"])
+        for m, m_state in zip(models, state["model"]):
+            m.load_state_dict(m_state)
     for opt, opt_state in zip(_inner_optimizers(optimizer), state["optimizer"]):
         opt.optimizer.load_state_dict(opt_state)
     with torch.no_grad():
         for p, saved in zip(_main_params(optimizer), state["main_params"]):
             p.copy_(saved)
-    if _is_fsdp(model):
-        target = model if hasattr(model, "install_optimized_model_weights") else model.module
-        target.install_optimized_model_weights()  # model weights from the restored main weights
+    if _is_fsdp(models):
+        for model in models:
+            target = model if hasattr(model, "install_optimized_model_weights") else model.module
+            target.install_optimized_model_weights()  # model weights from the restored main weights
 
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])

@@ -42,12 +42,12 @@ def traffic_text(stats: dict[str, TagStats], iterations: int) -> str:
 REPLICA_CHECK_MAX_NUMEL = 200_000_000
 
 
-def dp_replicas_identical(model) -> bool | None:
+def dp_replicas_identical(models) -> bool | None:
     """Whether every data-parallel replica holds bit-identical parameters (a digest per rank,
     compared over the DP group). ``None`` for models too large to digest at the end of a run."""
     from megatron.core import parallel_state
 
-    params = [p.detach() for p in model.parameters()]
+    params = [p.detach() for m in models for p in m.parameters()]
     if any(hasattr(p, "to_local") for p in params):
         return None  # ZeRO-3 (Megatron-FSDP): parameters are DTensor shards, there are no replicas
     if sum(p.numel() for p in params) > REPLICA_CHECK_MAX_NUMEL:
@@ -126,7 +126,7 @@ class IterationLogger:
                                s.inter_bytes / MB / n, f"comm/{tag}/inter_ratio": s.inter_ratio})
             self.wandb.log(record, step=iteration)
 
-    def finish(self, losses: list[float], model, hooks=None) -> dict:
+    def finish(self, losses: list[float], models: list, hooks=None) -> dict:
         a = self.args
         stats = comm_stats().summed_over_ranks()
         steady = self.times[1:] or self.times  # the first iteration includes warm-up
@@ -139,8 +139,8 @@ class IterationLogger:
             "tokens_per_s": a.global_batch_size * a.seq_length / mean_s, "seconds_per_iteration": mean_s,
             "traffic": {t: vars(s) | {"inter_ratio": s.inter_ratio} for t, s in stats.items()},
             "inter_bytes": inter, "inter_bytes_uncompressed": inter_base, "policy": self.policy.to_dict(),
-            "dp_replicas_identical": dp_replicas_identical(model),
-            "finite": all(bool(torch.isfinite(_local(p)).all()) for p in model.parameters()),
+            "dp_replicas_identical": dp_replicas_identical(models),
+            "finite": all(bool(torch.isfinite(_local(p)).all()) for m in models for p in m.parameters()),
             "hpz_bytes_per_rank": hooks.hpz_bytes if hooks is not None else 0,
         }
         self.log(f"> summary: {len(losses)} iterations, lm loss {summary['first_loss']:.4f} -> "

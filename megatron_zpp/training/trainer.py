@@ -61,22 +61,29 @@ def _build_model(args, device):
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, sequence_parallel=args.sequence_parallel,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16, use_cpu_initialization=device.type == "cpu",
         gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
+        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        batch_p2p_comm=not args.overlap_p2p_communication, overlap_p2p_comm=args.overlap_p2p_communication)
     divisor = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     padded_vocab = math.ceil(VOCAB_SIZE / divisor) * divisor
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=padded_vocab,
-                     max_sequence_length=args.max_position_embeddings,
-                     pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage(),
-                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                     position_embedding_type="learned_absolute")
-    if device.type == "cuda":
-        model.cuda(device)
-    if args.bf16:
-        from megatron.core.transformer.module import Float16Module
+    vpp = args.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp or 1):  # one chunk per virtual pipeline stage (interleaved schedule)
+        stage = vp_stage if vpp else None
+        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=padded_vocab,
+                         max_sequence_length=args.max_position_embeddings,
+                         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=not vpp, vp_stage=stage),
+                         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=not vpp, vp_stage=stage),
+                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                         position_embedding_type="learned_absolute", vp_stage=stage)
+        if device.type == "cuda":
+            model.cuda(device)
+        if args.bf16:
+            from megatron.core.transformer.module import Float16Module
 
-        model = Float16Module(config, model)  # bf16 weights and activations, fp32 logits (as Megatron-LM)
-    return config, model
+            model = Float16Module(config, model)  # bf16 weights and activations, fp32 logits (as Megatron-LM)
+        chunks.append(model)
+    return config, chunks
 
 
 def _loss_func(loss_mask, output_tensor):
@@ -128,10 +135,11 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
     try:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
-            pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size)
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
         torch.manual_seed(args.seed)
-        config, model = _build_model(args, device)
+        config, chunks = _build_model(args, device)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=args.overlap_grad_reduce,
             overlap_param_gather=args.overlap_param_gather, use_distributed_optimizer=args.use_distributed_optimizer)
@@ -145,15 +153,18 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             ddp_config.gradient_reduce_div_fusion = False
             # An explicit device: Megatron-FSDP allocates gradient buckets inside backward hooks,
             # where the CPU shim's device redirection is not active.
-            model = FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=model, device=device)
+            models = [FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=c, device=device)
+                      for c in chunks]
         else:
-            model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+            # Only the first chunk buckets its gradients (Megatron-LM's convention for virtual stages).
+            models = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c,
+                                              disable_bucketing=i > 0) for i, c in enumerate(chunks)]
         optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                             adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
                             bf16=args.bf16, params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
                             use_distributed_optimizer=args.use_distributed_optimizer or args.use_megatron_fsdp),
-            [model])
+            models)
         samples = args.global_batch_size  # Megatron's scheduler counts samples, as it is stepped by them
         scheduler = OptimizerParamScheduler(
             optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,
@@ -162,16 +173,17 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             wd_incr_steps=args.train_iters * samples, wd_incr_style="constant")
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = optimizer.scale_loss
+        single = len(models) == 1
         if args.overlap_grad_reduce:
-            config.no_sync_func = model.no_sync
+            config.no_sync_func = models[0].no_sync if single else [m.no_sync for m in models]
         if args.overlap_param_gather:
-            config.param_sync_func = model.start_param_sync
+            config.param_sync_func = models[0].start_param_sync if single else [m.start_param_sync for m in models]
 
         start_iteration = 0
         if args.load:
             from megatron_zpp.training.checkpoint import load_checkpoint
 
-            start_iteration = load_checkpoint(args.load, model, optimizer, scheduler)
+            start_iteration = load_checkpoint(args.load, models, optimizer, scheduler)
             hooks.invalidate_secondary()
 
         dp_rank = parallel_state.get_data_parallel_rank()
@@ -184,8 +196,10 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             dist.barrier()
             prefix = builtin_corpus_prefix()
         train_data = TokenWindows(prefix, args.seq_length, "train", seed=args.seed)
-        batches = micro_batches(train_data, args.global_batch_size, args.micro_batch_size, dp_rank, dp_size,
-                                start_sample=start_iteration * args.global_batch_size)
+        # One iterator per model chunk: with virtual stages each chunk pulls its own micro-batches.
+        iterators = [micro_batches(train_data, args.global_batch_size, args.micro_batch_size, dp_rank, dp_size,
+                                   start_sample=start_iteration * args.global_batch_size) for _ in models]
+        batches = iterators[0] if single else iterators
         forward_backward = get_forward_backward_func()
         logger = IterationLogger(args, policy, log=log)
         logger.start(train_data, world)
@@ -194,10 +208,11 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         for iteration in range(start_iteration, args.train_iters):
             hooks.set_iteration(iteration, args.train_iters)
             t0 = time.perf_counter()
-            model.zero_grad_buffer()
+            for m in models:
+                m.zero_grad_buffer()
             optimizer.zero_grad()
             reduced = forward_backward(forward_step_func=partial(_forward_step, device), data_iterator=batches,
-                                       model=[model], num_microbatches=args.num_microbatches,
+                                       model=models, num_microbatches=args.num_microbatches,
                                        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                                        forward_only=False)
             update_ok, grad_norm, _ = optimizer.step()
@@ -210,16 +225,17 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             if args.save and args.save_interval and (iteration + 1) % args.save_interval == 0:
                 from megatron_zpp.training.checkpoint import save_checkpoint
 
-                save_checkpoint(args.save, iteration + 1, model, optimizer, scheduler)
+                save_checkpoint(args.save, iteration + 1, models, optimizer, scheduler)
         if args.save:
             from megatron_zpp.training.checkpoint import save_checkpoint
 
-            save_checkpoint(args.save, args.train_iters, model, optimizer, scheduler)
+            save_checkpoint(args.save, args.train_iters, models, optimizer, scheduler)
         if args.use_distributed_optimizer or args.use_megatron_fsdp:
             # Overlap leaves params stale until the next forward, and FSDP keeps them sharded:
             # gather them (with the policy's codec) so replicas can be compared.
-            model.start_param_sync(force_sync=True)
-        summary = logger.finish(losses, model, hooks)
+            for m in models:
+                m.start_param_sync(force_sync=True)
+        summary = logger.finish(losses, models, hooks)
         return summary
     finally:
         if hooks.installed:
