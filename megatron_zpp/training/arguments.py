@@ -68,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--load", default=None, help="directory to resume from")
     g.add_argument("--log-interval", type=int, default=10)
-    g.add_argument("--eval-interval", type=int, default=None)
-    g.add_argument("--eval-iters", type=int, default=4)
+    g.add_argument("--eval-iters", type=int, default=4,
+                   help="global batches of the validation split evaluated at the end (0: none)")
     g.add_argument("--wandb-project", default=None)
     g.add_argument("--wandb-exp-name", default=None)
     g.add_argument("--wandb-save-dir", default=None)

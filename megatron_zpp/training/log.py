@@ -126,7 +126,7 @@ class IterationLogger:
                                s.inter_bytes / MB / n, f"comm/{tag}/inter_ratio": s.inter_ratio})
             self.wandb.log(record, step=iteration)
 
-    def finish(self, losses: list[float], models: list, hooks=None) -> dict:
+    def finish(self, losses: list[float], models: list, hooks=None, valid_loss: float | None = None) -> dict:
         a = self.args
         stats = comm_stats().summed_over_ranks()
         steady = self.times[1:] or self.times  # the first iteration includes warm-up
@@ -135,7 +135,7 @@ class IterationLogger:
         inter_base = sum(s.uncompressed_inter_bytes for s in stats.values())
         summary = {
             "iterations": len(losses), "first_loss": losses[0] if losses else float("nan"),
-            "final_loss": losses[-1] if losses else float("nan"), "losses": losses,
+            "final_loss": losses[-1] if losses else float("nan"), "losses": losses, "valid_loss": valid_loss,
             "tokens_per_s": a.global_batch_size * a.seq_length / mean_s, "seconds_per_iteration": mean_s,
             "traffic": {t: vars(s) | {"inter_ratio": s.inter_ratio} for t, s in stats.items()},
             "inter_bytes": inter, "inter_bytes_uncompressed": inter_base, "policy": self.policy.to_dict(),
@@ -145,7 +145,8 @@ class IterationLogger:
         }
         self.log(f"> summary: {len(losses)} iterations, lm loss {summary['first_loss']:.4f} -> "
                  f"{summary['final_loss']:.4f}, {summary['tokens_per_s']:.0f} tokens/s "
-                 f"({mean_s * 1e3:.0f} ms/iteration after the first)")
+                 f"({mean_s * 1e3:.0f} ms/iteration after the first)"
+                 + (f"; validation lm loss {valid_loss:.4f}" if valid_loss is not None else ""))
         self.log(f"> summary: data-parallel replicas bit-identical: {summary['dp_replicas_identical']}; "
                  f"parameters finite: {summary['finite']}"
                  + (f"; hpZ secondary copies: {summary['hpz_bytes_per_rank'] / MB:.2f} MB per rank"

@@ -235,12 +235,35 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             # gather them (with the policy's codec) so replicas can be compared.
             for m in models:
                 m.start_param_sync(force_sync=True)
-        summary = logger.finish(losses, models, hooks)
+        valid_loss = None
+        if args.eval_iters:
+            valid = TokenWindows(prefix, args.seq_length, "valid", seed=args.seed)
+            valid_batches = [micro_batches(valid, args.global_batch_size, args.micro_batch_size, dp_rank, dp_size)
+                             for _ in models]
+            valid_loss = evaluate(args, models, valid_batches[0] if single else valid_batches, forward_backward,
+                                  device, parallel_state)
+        summary = logger.finish(losses, models, hooks, valid_loss=valid_loss)
         return summary
     finally:
         if hooks.installed:
             hooks.uninstall()
         parallel_state.destroy_model_parallel()
+
+
+@torch.no_grad()
+def evaluate(args, models, batches, forward_backward, device, parallel_state) -> float:
+    """Mean token loss over ``--eval-iters`` global batches of the validation split (forward only)."""
+    for m in models:
+        m.eval()
+    totals = []
+    for _ in range(args.eval_iters):
+        reduced = forward_backward(forward_step_func=partial(_forward_step, device), data_iterator=batches,
+                                   model=models, num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                                   micro_batch_size=args.micro_batch_size, forward_only=True)
+        totals.append(_reduce_loss(reduced, parallel_state))
+    for m in models:
+        m.train()
+    return sum(totals) / len(totals)
 
 
 def _reduce_loss(reduced, parallel_state) -> float:
