@@ -70,7 +70,8 @@ def fsdp_zeropp(iterations: int, workdir: str) -> dict:
 
     import megatron_zpp.megatron.hooks as hooks_module
 
-    base = SMALL + ["--use-megatron-fsdp", "--bf16", "--zpp-ranks-per-node", "2", "--train-iters", str(iterations)]
+    base = SMALL + ["--use-megatron-fsdp", "--bf16", "--overlap-grad-reduce", "--overlap-param-gather",
+                    "--zpp-ranks-per-node", "2", "--train-iters", str(iterations)]
     out = {"absent": pretrain(base, log=_quiet, plugin=False)["losses"],
            "none": pretrain(base + ["--zpp-policy", "none"], log=_quiet)["losses"]}
 
