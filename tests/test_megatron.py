@@ -126,12 +126,16 @@ def test_dp_grad_schedule_switches_to_uncompressed():
     assert seen[:2] == [hooks.policy.codec("dp.grad")] * 2 and seen[2:] == ["none"] * 6
 
 
-def test_tp_pp_compression_is_refused_until_issue_4():
-    from megatron_zpp.megatron.hooks import MegatronHooks
-    with pytest.raises(NotImplementedError, match="--zpp-tp none"):
-        MegatronHooks(resolve_policy(ZppConfig(policy="none", tp="int8")))
-    with pytest.raises(NotImplementedError, match="issue \\[4\\]"):
-        validate_args(build_parser().parse_args(["--use-megatron-fsdp"]), 4)
+def test_unsupported_layouts_fail_clearly():
+    parse = build_parser().parse_args
+    with pytest.raises(ValueError, match="--num-layers-per-virtual-pipeline-stage 3 must divide the 2 layers"):
+        validate_args(parse(["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                             "--num-layers-per-virtual-pipeline-stage", "3"]), 4)
+    with pytest.raises(ValueError, match="with --use-megatron-fsdp is not supported"):
+        validate_args(parse(["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--use-megatron-fsdp",
+                             "--num-layers-per-virtual-pipeline-stage", "1"]), 4)
+    with pytest.raises(ValueError, match="--overlap-param-gather needs"):
+        validate_args(parse(["--overlap-param-gather"]), 4)
 
 
 def test_megatron_fsdp_zeropp_2x2(tmp_path):
