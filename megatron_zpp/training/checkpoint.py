@@ -23,7 +23,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _main_params(optimizer) -> list[torch.Tensor]:
+def main_params(optimizer) -> list[torch.Tensor]:
     """The parameters the optimizer updates (fp32 main weights / this rank's shards), local views."""
     return [_local(p) for opt in _inner_optimizers(optimizer) for group in opt.optimizer.param_groups
             for p in group["params"]]
@@ -47,7 +47,7 @@ def save_checkpoint(directory: str, iteration: int, models: list, optimizer, sch
         "iteration": iteration,
         "world_size": dist.get_world_size(),
         "model": None if fsdp else [m.state_dict() for m in models],
-        "main_params": [p.detach().clone() for p in _main_params(optimizer)],
+        "main_params": [p.detach().clone() for p in main_params(optimizer)],
         "optimizer": [opt.optimizer.state_dict() for opt in _inner_optimizers(optimizer)],
         "scheduler": scheduler.state_dict(),
         "rng": torch.get_rng_state(),
@@ -76,7 +76,7 @@ def load_checkpoint(directory: str, models: list, optimizer, scheduler) -> int:
     for opt, opt_state in zip(_inner_optimizers(optimizer), state["optimizer"]):
         opt.optimizer.load_state_dict(opt_state)
     with torch.no_grad():
-        for p, saved in zip(_main_params(optimizer), state["main_params"]):
+        for p, saved in zip(main_params(optimizer), state["main_params"]):
             p.copy_(saved)
     if _is_fsdp(models):
         for model in models:

@@ -61,10 +61,6 @@ def dp_replicas_identical(models) -> bool | None:
     return all(d == everyone[0] for d in everyone)
 
 
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if hasattr(p, "to_local") else p
-
-
 class IterationLogger:
     def __init__(self, args, policy, log=print) -> None:
         self.args, self.policy, self._log = args, policy, log
@@ -126,7 +122,9 @@ class IterationLogger:
                                s.inter_bytes / MB / n, f"comm/{tag}/inter_ratio": s.inter_ratio})
             self.wandb.log(record, step=iteration)
 
-    def finish(self, losses: list[float], models: list, hooks=None, valid_loss: float | None = None) -> dict:
+    def finish(self, losses: list[float], models: list, hooks=None, valid_loss: float | None = None,
+               finite: bool = True, sharded: bool = False) -> dict:
+        """``sharded``: ZeRO-3, one copy of the weights, so there are no replicas to compare."""
         a = self.args
         stats = comm_stats().summed_over_ranks()
         steady = self.times[1:] or self.times  # the first iteration includes warm-up
@@ -139,8 +137,8 @@ class IterationLogger:
             "tokens_per_s": a.global_batch_size * a.seq_length / mean_s, "seconds_per_iteration": mean_s,
             "traffic": {t: vars(s) | {"inter_ratio": s.inter_ratio} for t, s in stats.items()},
             "inter_bytes": inter, "inter_bytes_uncompressed": inter_base, "policy": self.policy.to_dict(),
-            "dp_replicas_identical": dp_replicas_identical(models),
-            "finite": all(bool(torch.isfinite(_local(p)).all()) for m in models for p in m.parameters()),
+            "dp_replicas_identical": None if sharded else dp_replicas_identical(models),
+            "finite": finite,
             "hpz_bytes_per_rank": hooks.hpz_bytes if hooks is not None else 0,
         }
         self.log(f"> summary: {len(losses)} iterations, lm loss {summary['first_loss']:.4f} -> "

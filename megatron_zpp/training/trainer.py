@@ -242,12 +242,23 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
                              for _ in models]
             valid_loss = evaluate(args, models, valid_batches[0] if single else valid_batches, forward_backward,
                                   device, parallel_state)
-        summary = logger.finish(losses, models, hooks, valid_loss=valid_loss)
+        summary = logger.finish(losses, models, hooks, valid_loss=valid_loss,
+                                finite=_all_ranks_finite(optimizer, device), sharded=args.use_megatron_fsdp)
         return summary
     finally:
         if hooks.installed:
             hooks.uninstall()
         parallel_state.destroy_model_parallel()
+
+
+def _all_ranks_finite(optimizer, device) -> bool:
+    """Whether the weights the optimizer holds (every rank's shard of the main weights) are finite.
+    The module's parameters are not checked: under Megatron-FSDP they may point at released buckets."""
+    from megatron_zpp.training.checkpoint import main_params
+
+    ok = torch.tensor([float(all(bool(torch.isfinite(p).all()) for p in main_params(optimizer)))], device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
 
 
 @torch.no_grad()
