@@ -152,12 +152,15 @@ def test_megatron_fsdp_zeropp_2x2(tmp_path):
     t = z["traffic"]
     fwd = t["dp.param"]["inter_bytes"] / t["dp.param"]["uncompressed_inter_bytes"]
     grad = t["dp.grad"]["inter_bytes"] / t["dp.grad"]["uncompressed_inter_bytes"]
-    bwd_inter = t["dp.param.bwd"]["inter_bytes"]
+    # megatron-core 0.16's Megatron-FSDP keeps the forward-gathered weights for backward (no
+    # backward gather at all); 0.19 reshards after forward and gathers again, from the hpZ copy.
+    bwd = t.get("dp.param.bwd", {"inter_bytes": 0, "intra_bytes": None})
+    bwd_inter = bwd["inter_bytes"]
     print(f"\nFSDP zeropp losses {[round(v, 3) for v in z['losses']]}; per iteration cross-node x M(bf16): "
           f"fwd {fwd:.4f}, bwd {bwd_inter} bytes, grad {grad:.4f}; hpZ copy {z['hpz_bytes_per_rank']} B/rank")
     assert abs(fwd - QWZ_FP32 * 2) <= 0.02 * QWZ_FP32 * 2  # bf16: (1 + 4/256) / 2
     assert abs(grad - QGZ_FP32 * 2) <= 0.02 * QGZ_FP32 * 2  # bf16: (0.5 + 4/128) / 2
-    assert bwd_inter == 0 and t["dp.param.bwd"]["intra_bytes"] > 0
+    assert bwd_inter == 0 and (bwd["intra_bytes"] is None or bwd["intra_bytes"] > 0)
     assert r["resumed"] == z["losses"][3:], (r["resumed"], z["losses"])
 
 
