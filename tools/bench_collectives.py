@@ -168,9 +168,9 @@ def main() -> None:
                       "grad RS": res[(model_numel, "rs_ring")]["seconds"]}
             print(f"\n## layout {nodes}x{per_node}, M = {model_numel / 2**20:.2f}M elements "
                   f"({model_bytes / 2**20:.1f} MiB {args.dtype}); time ratio vs the first uncompressed row "
-                  f"of its role (ring RS for grad RS)")
-            print(f"| role | collective | ms | x base time | intra MiB | inter MiB | inter x M per node "
-                  f"| analytic x M | inter vs best uncompressed |")
+                  "of its role (ring RS for grad RS)")
+            print("| role | collective | ms | x base time | intra MiB | inter MiB | inter x M per node "
+                  "| analytic x M | inter vs best uncompressed |")
             print("|---|---|---|---|---|---|---|---|---|")
             best = {}
             for name, (role, _) in OPS.items():

@@ -101,6 +101,12 @@ class CommHandle:
         return self._finish is None
 
 
+def wait(work) -> None:
+    """Wait on a torch.distributed work (``None``: a group of one, nothing in flight)."""
+    if work is not None:
+        work.wait()
+
+
 def result_of(future: Future | None):
     return None if future is None else future.result()
 

@@ -22,10 +22,9 @@ so a stale copy (DeepSpeed issues #5059, #7606) is an error, not silent wrong we
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megatron_zpp.compression import Codec, layout, ops
-from megatron_zpp.comm._common import CommHandle, WireFormat, agree, check_float, check_pair, wire_format
+from megatron_zpp.comm._common import CommHandle, WireFormat, agree, check_float, check_pair, wait, wire_format
 from megatron_zpp.comm.stats import comm_stats
 from megatron_zpp.comm.topology import Topology
 
@@ -122,16 +121,10 @@ def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, topology: To
         return CommHandle(lambda: None) if async_op else None
 
     if not fmt.compressed:
-        work = None
-        if flat.group is None:
-            output.copy_(input.view(-1))
-        else:
-            work = dist.all_gather_into_tensor(output.view(-1), input.view(-1), group=flat.group,
-                                               async_op=True)
+        work = flat.all_gather(output, input)
 
         def finish() -> None:
-            if work is not None:
-                work.wait()
+            wait(work)
             if hpz_shard is not None:
                 hpz_shard._fill_from(output.view(-1).view(torch.uint8).view(size, rb))
     else:
@@ -140,15 +133,10 @@ def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, topology: To
         gathered = pool.take(size * rb, input.device)
         ops.quantize_rows_(input.view(-1), payload.view(1, rb), fmt.bits, fmt.block,
                            fmt.stochastic, fmt.seed(topology.rank))
-        work = None
-        if flat.group is None:
-            gathered.copy_(payload)
-        else:
-            work = dist.all_gather_into_tensor(gathered, payload, group=flat.group, async_op=True)
+        work = flat.all_gather(gathered, payload)
 
         def finish() -> None:
-            if work is not None:
-                work.wait()
+            wait(work)
             rows = gathered.view(size, rb)
             ops.dequantize_rows_(rows, output.view(-1), fmt.bits, fmt.block)
             if hpz_shard is not None:
@@ -195,15 +183,10 @@ def hpz_all_gather(output: torch.Tensor, hpz_shard: HpzShard, topology: Topology
         gathered = pool.take(size * hpz_shard.row_bytes, output.device)
     else:
         gathered = output.view(-1).view(torch.uint8)
-    work = None
-    if hpz.group is None:
-        gathered.copy_(part)
-    else:
-        work = dist.all_gather_into_tensor(gathered, part, group=hpz.group, async_op=True)
+    work = hpz.all_gather(gathered, part)
 
     def finish() -> None:
-        if work is not None:
-            work.wait()
+        wait(work)
         if fmt.compressed:
             ops.dequantize_rows_(gathered.view(size, hpz_shard.row_bytes), output.view(-1),
                                  fmt.bits, fmt.block)

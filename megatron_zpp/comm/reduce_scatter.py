@@ -36,17 +36,9 @@ import torch.distributed as dist
 
 from megatron_zpp.compression import Codec, layout, ops
 from megatron_zpp.comm._common import (
-    CommHandle, WireFormat, agree, check_float, check_pair, reduce_divisor, result_of, wire_format)
+    CommHandle, WireFormat, agree, check_float, check_pair, reduce_divisor, result_of, wait, wire_format)
 from megatron_zpp.comm.stats import comm_stats
-from megatron_zpp.comm.topology import Topology, _GroupInfo
-
-
-def _a2a(out: torch.Tensor, inp: torch.Tensor, info: _GroupInfo):
-    """Equal-split all-to-all on a subgroup; a group of one is a copy."""
-    if info.group is None:
-        out.view(-1).copy_(inp.view(-1))
-        return None
-    return dist.all_to_all_single(out.view(-1), inp.view(-1), group=info.group, async_op=True)
+from megatron_zpp.comm.topology import Topology
 
 
 def _enter_device(device: torch.device) -> None:
@@ -56,11 +48,6 @@ def _enter_device(device: torch.device) -> None:
     ``wait()``, so every buffer is ordered without a host synchronization."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-
-
-def _wait(work) -> None:
-    if work is not None:
-        work.wait()
 
 
 def _hop_bytes(topology: Topology, stages: int, row1: int, row2: int) -> tuple[int, int]:
@@ -176,15 +163,12 @@ def _compressed(output, input, topology: Topology, intra_fmt: WireFormat, inter_
     if in_staging is not None:
         pool.give(in_staging)
     send1_s, recv1_s = send1.view(stages, size * rb1), recv1.view(stages, size * rb1)
-    hop1 = [_a2a(recv1_s[s], send1_s[s], first) for s in range(stages)]
+    hop1 = [first.all_to_all(recv1_s[s], send1_s[s]) for s in range(stages)]
     out, out_staging = _staged_output(output, topology, stages, slice_len)
 
     if not two_hops:
         def finish(_) -> None:
-            for s in range(stages):
-                _wait(hop1[s])
-                ops.dequant_reduce_(recv1_s[s].view(size, 1, rb1), out[s * slice_len:(s + 1) * slice_len],
-                                    first_fmt.bits, first_fmt.block, divisor)
+            _dequant_reduce_stages(hop1, recv1_s, size, rb1, first_fmt, out, slice_len, divisor)
             _finish_output(output, out, out_staging, pool)
             pool.give(send1, recv1)
         return _no_middle, finish
@@ -198,21 +182,28 @@ def _compressed(output, input, topology: Topology, intra_fmt: WireFormat, inter_
         _enter_device(device)
         hop2 = []
         for s in range(stages):
-            _wait(hop1[s])
+            wait(hop1[s])
             ops.dequant_reduce_quantize_(recv1_s[s].view(node_size, nodes, rb1), send2_s[s], slice_len,
                                          intra_fmt.bits, intra_fmt.block, inter_fmt.bits, inter_fmt.block,
                                          inter_fmt.stochastic, inter_fmt.seed(topology.rank))
-            hop2.append(_a2a(recv2_s[s], send2_s[s], groups.inter))
+            hop2.append(groups.inter.all_to_all(recv2_s[s], send2_s[s]))
         return hop2
 
     def finish(hop2) -> None:
-        for s in range(stages):
-            _wait(hop2[s])
-            ops.dequant_reduce_(recv2_s[s].view(nodes, 1, rb2), out[s * slice_len:(s + 1) * slice_len],
-                                inter_fmt.bits, inter_fmt.block, divisor)
+        _dequant_reduce_stages(hop2, recv2_s, nodes, rb2, inter_fmt, out, slice_len, divisor)
         _finish_output(output, out, out_staging, pool)
         pool.give(send1, recv1, send2, recv2)
     return middle, finish
+
+
+def _dequant_reduce_stages(hops, received, sources: int, row_bytes: int, fmt: WireFormat, out, slice_len: int,
+                           divisor: int) -> None:
+    """The last step of each stage: wait its hop, sum the ``sources`` received rows in fp32, divide,
+    write the stage's slice of ``out``."""
+    for s, work in enumerate(hops):
+        wait(work)
+        ops.dequant_reduce_(received[s].view(sources, 1, row_bytes), out[s * slice_len:(s + 1) * slice_len],
+                            fmt.bits, fmt.block, divisor)
 
 
 def _finish_output(output, out, out_staging, pool) -> None:
@@ -238,7 +229,7 @@ def _uncompressed(output, input, topology: Topology, intra_fmt, inter_fmt, stage
     if in_staging is not None:
         pool.give(in_staging)
     recv1 = recv1_buf.view(dtype).view(stages, size, slice_len)
-    hop1 = [_a2a(recv1[s], send1[s], first) for s in range(stages)]
+    hop1 = [first.all_to_all(recv1[s], send1[s]) for s in range(stages)]
     out, out_staging = _staged_output(output, topology, stages, slice_len)
     acc_buf = pool.take(max(nodes, 1) * slice_len * 4, device)
     acc = acc_buf.view(torch.float32)
@@ -253,7 +244,7 @@ def _uncompressed(output, input, topology: Topology, intra_fmt, inter_fmt, stage
     if not two_hops:
         def finish(_) -> None:
             for s in range(stages):
-                _wait(hop1[s])
+                wait(hop1[s])
                 reduce_into(out[s * slice_len:(s + 1) * slice_len], recv1[s], divisor)
             _finish_output(output, out, out_staging, pool)
             pool.give(send1_buf, recv1_buf, acc_buf)
@@ -268,15 +259,15 @@ def _uncompressed(output, input, topology: Topology, intra_fmt, inter_fmt, stage
         _enter_device(device)
         hop2 = []
         for s in range(stages):
-            _wait(hop1[s])
+            wait(hop1[s])
             # Partial sums travel in the input dtype, as in any uncompressed reduce-scatter.
             reduce_into(send2[s], recv1[s].view(node_size, nodes, slice_len), 1)
-            hop2.append(_a2a(recv2[s], send2[s], groups.inter))
+            hop2.append(groups.inter.all_to_all(recv2[s], send2[s]))
         return hop2
 
     def finish(hop2) -> None:
         for s in range(stages):
-            _wait(hop2[s])
+            wait(hop2[s])
             reduce_into(out[s * slice_len:(s + 1) * slice_len], recv2[s], divisor)
         _finish_output(output, out, out_staging, pool)
         pool.give(send1_buf, recv1_buf, send2_buf, recv2_buf, acc_buf)

@@ -42,6 +42,20 @@ class _GroupInfo:
     def size(self) -> int:
         return len(self.member_nodes)
 
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor):
+        """Async all-gather into ``out`` on this group; for a group of one, a copy (returns ``None``)."""
+        if self.group is None:
+            out.view(-1).copy_(inp.view(-1))
+            return None
+        return dist.all_gather_into_tensor(out.view(-1), inp.view(-1), group=self.group, async_op=True)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor):
+        """Async equal-split all-to-all; for a group of one, a copy (returns ``None``)."""
+        if self.group is None:
+            out.view(-1).copy_(inp.view(-1))
+            return None
+        return dist.all_to_all_single(out.view(-1), inp.view(-1), group=self.group, async_op=True)
+
     def split_a2a(self, chunk_bytes: int) -> tuple[int, int]:
         """(intra, inter) bytes this rank sends in an all-to-all of ``chunk_bytes`` per peer."""
         me = self.member_nodes[self.index]

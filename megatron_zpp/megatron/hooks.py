@@ -228,35 +228,43 @@ class MegatronHooks:
         def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
             if hooks._is_private(group):
                 return original_rs(output, input, op=op, group=group, async_op=async_op)
-            topo = hooks.topology(group)
-            if hooks.grad_codec == "none":
-                record_torch_collective(GRAD_TAG, "reduce_scatter", topo, output.numel() * output.element_size())
-                return original_rs(output, input, op=op, group=group, async_op=async_op)
             gbuf = pending_buffers.pop(0) if pending_buffers else None
-            if gbuf is not None and gbuf.bucket_index.size == input.numel():
+            if hooks.grad_codec != "none" and gbuf is not None and gbuf.bucket_index.size == input.numel():
                 _zero_padding(input, gbuf, 0)
             # Synchronous: Megatron-FSDP accumulates the shard right after its coalescing block.
-            qgz_reduce_scatter(output, input, topo, codec=hooks.grad_codec, op=_op_name(op), tag=GRAD_TAG,
-                               intra_codec=hooks.policy.dp_grad_intra, stages=hooks.policy.qgz_stages)
-            return None
+            return hooks._reduce_scatter_grads(original_rs, output, input, op, group, async_op=False)[0]
 
         def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-            if hooks._is_private(group) or hooks.grad_codec == "none":
-                if not hooks._is_private(group):
-                    topo = hooks.topology(group)
-                    record_torch_collective(GRAD_TAG, "all_reduce", topo,
-                                            tensor.numel() * tensor.element_size() // max(topo.size, 1))
+            if hooks._is_private(group):
                 return original_ar(tensor, op=op, group=group, async_op=async_op)
-            compressed_all_reduce(tensor, hooks.topology(group), codec=hooks.grad_codec, op=_op_name(op),
-                                  tag=GRAD_TAG, intra_codec=hooks.policy.dp_grad_intra,
-                                  stages=hooks.policy.qgz_stages)
-            return None
+            return hooks._all_reduce_grads(original_ar, tensor, op, group, async_op=False)[0]
 
         dist.reduce_scatter_tensor, dist.all_reduce = reduce_scatter_tensor, all_reduce
         try:
             yield
         finally:
             dist.reduce_scatter_tensor, dist.all_reduce = original_rs, original_ar
+
+    def _reduce_scatter_grads(self, original, output, input, op, group, async_op):
+        """``(result, handle)``: Megatron's own reduce-scatter, recorded, for ``none``; else qgZ."""
+        topo = self.topology(group)
+        if self.grad_codec == "none":
+            record_torch_collective(GRAD_TAG, "reduce_scatter", topo, output.numel() * output.element_size())
+            return original(output, input, op=op, group=group, async_op=async_op), None
+        return None, qgz_reduce_scatter(output, input, topo, codec=self.grad_codec, op=_op_name(op),
+                                        async_op=async_op, tag=GRAD_TAG, intra_codec=self.policy.dp_grad_intra,
+                                        stages=self.policy.qgz_stages)
+
+    def _all_reduce_grads(self, original, tensor, op, group, async_op):
+        """``(result, handle)``: Megatron's own all-reduce, recorded, for ``none``; else the compressed one."""
+        topo = self.topology(group)
+        if self.grad_codec == "none":
+            record_torch_collective(GRAD_TAG, "all_reduce", topo,
+                                    tensor.numel() * tensor.element_size() // max(topo.size, 1))
+            return original(tensor, op=op, group=group, async_op=async_op), None
+        return None, compressed_all_reduce(tensor, topo, codec=self.grad_codec, op=_op_name(op), async_op=async_op,
+                                           tag=GRAD_TAG, intra_codec=self.policy.dp_grad_intra,
+                                           stages=self.policy.qgz_stages)
 
     def _is_private(self, group) -> bool:
         """Whether ``group`` is one of our topologies' own groups (never routed again)."""
@@ -304,32 +312,19 @@ class MegatronHooks:
         grad_buffers = {id(b.grad_data) for b in bucket_group.buckets}
         handles = bucket_group.__dict__.setdefault("_zpp_grad_handles", [])
 
-        def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-            topo = hooks.topology(group)
-            if hooks.grad_codec == "none":
-                record_torch_collective(GRAD_TAG, "reduce_scatter", topo, output.numel() * output.element_size())
-                return original_rs(output, input, op=op, group=group, async_op=async_op)
-            handle = qgz_reduce_scatter(output, input, topo, codec=hooks.grad_codec, op=_op_name(op),
-                                        async_op=async_op, tag=GRAD_TAG, intra_codec=hooks.policy.dp_grad_intra,
-                                        stages=hooks.policy.qgz_stages)
+        def keep(result_and_handle):
+            result, handle = result_and_handle
             if handle is not None:
-                handles.append(handle)
-            return None  # inside Megatron's _coalescing_manager: nothing for it to track
+                handles.append(handle)  # waited in finish_grad_sync
+            return result  # ours: None, nothing for Megatron's _coalescing_manager to track
+
+        def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            return keep(hooks._reduce_scatter_grads(original_rs, output, input, op, group, async_op))
 
         def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
             if id(tensor) not in grad_buffers:  # not a bucket's gradient: leave it alone
                 return original_ar(tensor, op=op, group=group, async_op=async_op)
-            topo = hooks.topology(group)
-            if hooks.grad_codec == "none":
-                record_torch_collective(GRAD_TAG, "all_reduce", topo,
-                                        tensor.numel() * tensor.element_size() // max(topo.size, 1))
-                return original_ar(tensor, op=op, group=group, async_op=async_op)
-            handle = compressed_all_reduce(tensor, topo, codec=hooks.grad_codec, op=_op_name(op),
-                                           async_op=async_op, tag=GRAD_TAG, intra_codec=hooks.policy.dp_grad_intra,
-                                           stages=hooks.policy.qgz_stages)
-            if handle is not None:
-                handles.append(handle)
-            return None
+            return keep(hooks._all_reduce_grads(original_ar, tensor, op, group, async_op))
 
         pgb.dist_reduce_scatter_func = reduce_scatter
         dist.all_reduce = all_reduce

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import os
 
-import torch
 import torch.distributed as dist
 
 from megatron_zpp.comm import Topology, compressed_all_reduce, qgz_reduce_scatter, quantized_all_gather

@@ -19,12 +19,10 @@ import os
 import time
 import warnings
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from megatron_zpp.comm import comm_stats
 from megatron_zpp.policy import check_policy_agreement, resolve_policy, zpp_config_from_args
 from megatron_zpp.training.arguments import build_parser, validate_args
 from megatron_zpp.training.data import VOCAB_SIZE, TokenWindows, builtin_corpus_prefix, micro_batches
