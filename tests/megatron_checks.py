@@ -122,3 +122,19 @@ def model_parallel_codecs(parallel: list[str], dim: str, iterations: int) -> dic
     run = pretrain(base + [f"--zpp-{dim}", "int8:block=256"], log=_quiet)
     out["int8"] = {k: run[k] for k in ("losses", "traffic", "finite")}
     return out
+
+
+POLICIES = {"none": ["--zpp-policy", "none"], "zeropp": ["--zpp-policy", "zeropp"],
+            "int8-param": ["--zpp-policy", "none", "--zpp-dp-param", "int8:block=256"]}
+
+
+def replica_consistency(parallel: list[str], policies: list[str], iterations: int) -> dict:
+    """Train with ``--check-replica-weights`` under each policy: every module's forward and backward
+    weights, digested at the point of use, compared across data-parallel replicas every iteration."""
+    base = SMALL + parallel + ["--train-iters", str(iterations), "--zpp-ranks-per-node", "2",
+                               "--check-replica-weights", "--eval-iters", "0"]
+    out = {}
+    for name in policies:
+        run = pretrain(base + POLICIES[name], log=_quiet)
+        out[name] = run["replica_check"] | {"finite": run["finite"], "losses": run["losses"]}
+    return out

@@ -190,3 +190,37 @@ def test_pipeline_and_tensor_parallel_codecs(parallel, dim):
           f"{[round(v, 3) for v in r['none']]}; bytes x{ratio:.4f}")
     assert abs(ratio - QWZ_FP32) <= 0.02 * QWZ_FP32
     assert abs(z["losses"][-1] - r["none"][-1]) < 0.05  # INT8 activations barely move the loss
+
+
+# Every layout of the integration tests, with the flags that change how weights reach the modules.
+DISTOPT = ["--use-distributed-optimizer"]
+OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
+REPLICA_LAYOUTS = {
+    "distopt": DISTOPT,
+    "distopt-overlap-grad": DISTOPT + ["--overlap-grad-reduce"],
+    "distopt-overlap-both": DISTOPT + OVERLAP,
+    "plain-dp-overlap-grad": ["--overlap-grad-reduce"],
+    "tp2xdp2": ["--tensor-model-parallel-size", "2"] + DISTOPT + OVERLAP,
+    "tp2xdp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"] + DISTOPT + OVERLAP,
+    "pp2xdp2-1f1b": ["--pipeline-model-parallel-size", "2"] + DISTOPT + OVERLAP,
+    "pp2xdp2-interleaved": ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                            "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "16"]
+                           + DISTOPT + OVERLAP,
+    "fsdp-hpz": ["--use-megatron-fsdp", "--bf16"] + OVERLAP,
+}
+
+
+@pytest.mark.parametrize("layout", list(REPLICA_LAYOUTS))
+def test_replicas_compute_with_identical_weights_at_every_use(layout):
+    """Every module's forward and backward, every iteration, sees the same weights on every
+    data-parallel replica: digests taken at the point of use (after Megatron's hooks), not after a
+    final sync, under none, zeropp and an INT8 dp.param."""
+    policies = ["none", "zeropp", "int8-param"]
+    results = run_distributed(checks.replica_consistency, 4, REPLICA_LAYOUTS[layout], policies, 4,
+                              ranks_per_node=2, timeout_s=600)
+    for rank, by_policy in enumerate(results):
+        for policy, r in by_policy.items():
+            print(f"\n{layout} rank {rank} {policy}: {r['uses_compared']} uses compared, {r['mismatches']} "
+                  f"mismatches {r['first_mismatches'][:3]}")
+            assert r["finite"], (layout, policy)
+            assert r["uses_compared"] > 0 and r["mismatches"] == 0, (layout, rank, policy, r["first_mismatches"])

@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--eval-iters", type=int, default=4,
                    help="global batches of the validation split evaluated at the end (0: none)")
+    g.add_argument("--check-replica-weights", action="store_true",
+                   help="debug: digest every module's weights at each forward and backward use and compare "
+                        "them across data-parallel replicas every iteration (slow on real models)")
     g.add_argument("--wandb-project", default=None)
     g.add_argument("--wandb-exp-name", default=None)
     g.add_argument("--wandb-save-dir", default=None)

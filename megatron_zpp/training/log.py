@@ -123,7 +123,7 @@ class IterationLogger:
             self.wandb.log(record, step=iteration)
 
     def finish(self, losses: list[float], models: list, hooks=None, valid_loss: float | None = None,
-               finite: bool = True, sharded: bool = False) -> dict:
+               finite: bool = True, sharded: bool = False, replica_check=None) -> dict:
         """``sharded``: ZeRO-3, one copy of the weights, so there are no replicas to compare."""
         a = self.args
         stats = comm_stats().summed_over_ranks()
@@ -140,6 +140,9 @@ class IterationLogger:
             "dp_replicas_identical": None if sharded else dp_replicas_identical(models),
             "finite": finite,
             "hpz_bytes_per_rank": hooks.hpz_bytes if hooks is not None else 0,
+            "replica_check": None if replica_check is None else {
+                "uses_compared": replica_check.result.uses_compared, "mismatches": replica_check.mismatch_count,
+                "first_mismatches": replica_check.result.mismatches},
         }
         self.log(f"> summary: {len(losses)} iterations, lm loss {summary['first_loss']:.4f} -> "
                  f"{summary['final_loss']:.4f}, {summary['tokens_per_s']:.0f} tokens/s "
@@ -149,6 +152,11 @@ class IterationLogger:
                  f"parameters finite: {summary['finite']}"
                  + (f"; hpZ secondary copies: {summary['hpz_bytes_per_rank'] / MB:.2f} MB per rank"
                     if summary["hpz_bytes_per_rank"] else ""))
+        if replica_check is not None:
+            r = summary["replica_check"]
+            self.log(f"> summary: weights at the point of use, compared across data-parallel replicas every "
+                     f"iteration: {r['uses_compared']} uses on this rank, {r['mismatches']} mismatches"
+                     + "".join(f"\n>   {m}" for m in r["first_mismatches"][:5]))
         for tag in sorted(stats):
             s = stats[tag]
             self.log(f"> summary: {tag}: {s.calls} calls, inter-node {s.inter_bytes / MB:.2f} MB vs "

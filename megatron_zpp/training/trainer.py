@@ -177,6 +177,13 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         if args.overlap_param_gather:
             config.param_sync_func = models[0].start_param_sync if single else [m.start_param_sync for m in models]
 
+        replica_check = None
+        if args.check_replica_weights:
+            from megatron_zpp.megatron.replica_check import ReplicaWeightCheck
+
+            # Registered after Megatron's hooks: digests the weights each module actually uses.
+            replica_check = ReplicaWeightCheck(models, parallel_state.get_data_parallel_group())
+
         start_iteration = 0
         if args.load:
             from megatron_zpp.training.checkpoint import load_checkpoint
@@ -216,6 +223,8 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             update_ok, grad_norm, _ = optimizer.step()
             hooks.invalidate_secondary()  # also done by the weight-install hook; explicit for clarity
             scheduler.step(increment=args.global_batch_size)
+            if replica_check is not None:
+                replica_check.end_iteration(iteration + 1)
             loss = _reduce_loss(reduced, parallel_state)
             losses.append(loss)
             logger.iteration(iteration + 1, loss, scheduler.get_lr(optimizer.param_groups[0]), grad_norm,
@@ -240,8 +249,11 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
                              for _ in models]
             valid_loss = evaluate(args, models, valid_batches[0] if single else valid_batches, forward_backward,
                                   device, parallel_state)
+        if replica_check is not None:
+            replica_check.remove()
         summary = logger.finish(losses, models, hooks, valid_loss=valid_loss,
-                                finite=_all_ranks_finite(optimizer, device), sharded=args.use_megatron_fsdp)
+                                finite=_all_ranks_finite(optimizer, device), sharded=args.use_megatron_fsdp,
+                                replica_check=replica_check)
         return summary
     finally:
         if hooks.installed:

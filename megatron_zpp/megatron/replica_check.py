@@ -1,0 +1,121 @@
+"""Check, at the point of use, that every data-parallel replica computes with the same weights.
+
+Compressed weight gathers (qwZ, hpZ) and overlapped parameter syncs can go wrong in ways a
+final comparison cannot see: a module that runs its forward on undecoded or stale rows on one
+replica and on fresh ones on another still ends with identical weights after a forced sync.
+``ReplicaWeightCheck`` digests each module's own parameters (``recurse=False``) when the module
+is used, in its forward (a pre-hook registered after Megatron's, so after its parameter-sync
+hooks) and in its backward (a hook on the module's output gradient, which fires before the
+module's backward runs), and compares the digests across the data-parallel group once per
+iteration.
+
+It is a debugging aid (``--check-replica-weights``): hashing every parameter on every use
+copies it to the host, which is cheap for test models and slow for real ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ReplicaCheckResult:
+    """What the check saw: how many uses were compared, and the first mismatches."""
+
+    uses_compared: int = 0
+    iterations: int = 0
+    mismatches: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches and self.uses_compared > 0
+
+
+def _digest(params: list[torch.Tensor]) -> str:
+    h = hashlib.sha1()
+    for p in params:
+        raw = p.detach().contiguous().view(-1).view(torch.uint8).cpu()
+        h.update(str(tuple(p.shape)).encode())
+        h.update(raw.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class ReplicaWeightCheck:
+    """Digest every module's weights at each use and compare them across ``group`` per iteration.
+
+    Args:
+        models: the model chunks, already wrapped by Megatron (DDP or Megatron-FSDP), so that
+            these hooks run after Megatron's own.
+        group: the data-parallel group whose replicas must agree.
+        max_reported: mismatches kept in the result (all are counted).
+    """
+
+    def __init__(self, models: list[torch.nn.Module], group, max_reported: int = 20) -> None:
+        self.group = group
+        self.max_reported = max_reported
+        self.result = ReplicaCheckResult()
+        self._uses: list[tuple[str, str, str]] = []  # (module, phase, digest) in order of use
+        self._handles = []
+        self._mismatch_count = 0
+        for c, model in enumerate(models):
+            for name, module in model.named_modules():
+                params = list(module.parameters(recurse=False))
+                if params:
+                    self._attach(f"chunk{c}.{name}", module)
+
+    def _attach(self, name: str, module: torch.nn.Module) -> None:
+        def pre_forward(mod, _inputs):
+            if torch.is_grad_enabled():  # training uses; evaluation is not compared
+                self._uses.append((name, "forward", _digest(list(mod.parameters(recurse=False)))))
+
+        def post_forward(mod, _inputs, output):
+            if not torch.is_grad_enabled():
+                return
+            tensors = [output] if isinstance(output, torch.Tensor) else \
+                [t for t in (output if isinstance(output, (tuple, list)) else ()) if isinstance(t, torch.Tensor)]
+            for t in tensors:
+                if t.requires_grad:
+                    # The gradient of the module's output is ready just before its backward runs.
+                    t.register_hook(lambda grad, mod=mod: self._on_backward(name, mod))
+                    break
+
+        self._handles.append(module.register_forward_pre_hook(pre_forward))
+        self._handles.append(module.register_forward_hook(post_forward))
+
+    def _on_backward(self, name: str, module: torch.nn.Module) -> None:
+        self._uses.append((name, "backward", _digest(list(module.parameters(recurse=False)))))
+
+    def end_iteration(self, iteration: int) -> None:
+        """Compare this iteration's uses across the group (a collective: call on every rank)."""
+        uses, self._uses = self._uses, []
+        everyone: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, uses, group=self.group)
+        self.result.iterations += 1
+        self.result.uses_compared += len(uses)
+        for replica, theirs in enumerate(everyone):
+            if len(theirs) != len(uses):
+                self._report(f"iteration {iteration}: replica {replica} used {len(theirs)} module weights, "
+                             f"this rank {len(uses)}")
+                continue
+            for (name, phase, mine), (_, _, other) in zip(uses, theirs):
+                if mine != other:
+                    self._report(f"iteration {iteration}: {name} {phase}: replica {replica} computed with "
+                                 f"different weights")
+
+    def _report(self, message: str) -> None:
+        self._mismatch_count += 1
+        if len(self.result.mismatches) < self.max_reported:
+            self.result.mismatches.append(message)
+
+    @property
+    def mismatch_count(self) -> int:
+        return self._mismatch_count
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
