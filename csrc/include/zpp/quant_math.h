@@ -9,14 +9,32 @@
 // Numerics contract (all float32, no FMA contraction anywhere: CPU sources are
 // built with -ffp-contract=off and device code uses the _rn intrinsics):
 //   absmax  = max |x| over the block (partial last block: over its valid elements)
-//   scale   = absmax / qmax                     (stored, fp32)
+//   scale   = absmax / qmax                     (stored, fp32; block_scale below)
 //   block has a NaN/Inf element -> scale = NaN, every q = 0  (decodes as NaN)
 //   q       = scale > 0 ? clamp(round(x / scale), -qmax, qmax) : 0
 //             round = nearest-even, or floor(v + u) with u in [0,1) from the
 //             counter-based hash below (stochastic rounding)
 //   decode  = q * scale, then cast to the output dtype (round-to-nearest-even)
 //   reduce  = acc = 0; for c in chunks: acc = acc + q_c * scale_c  (chunk order)
+//   mean    = acc / float(divisor), then cast to the output dtype (dequant_reduce_)
+//
+// Every "/" above is ONE IEEE-754 fp32 division, correctly rounded (f32_div):
+// never a multiply by a reciprocal. absmax * (1.0f / qmax) differs from
+// absmax / qmax in the last bit for a few percent of INT8 and about half of
+// INT4 blocks, and the scale is on the wire, so this is the one definition that
+// every implementation computes:
+//   C++ (CPU)   `a / b`, vectorized to IEEE div instructions (SSE/AVX/NEON);
+//               never built with -ffast-math / -freciprocal-math.
+//   CUDA        __fdiv_rn(a, b).
+//   reference   tensor / tensor on the same device. NOT tensor / Python number:
+//               PyTorch's CUDA kernel computes that as a * (1.0f / b).
+//               tests/test_kernels.py replays the reference with CUDA's rule on
+//               CPU and requires it to still match the C++ kernels bit for bit.
 #pragma once
+
+#if defined(__FAST_MATH__)
+#error "zpp/quant_math.h: -ffast-math changes rounding (reciprocal division, contraction); the kernels must match the reference bit for bit"
+#endif
 
 #include <math.h>
 #include <stdint.h>
@@ -127,7 +145,8 @@ ZPP_HD float round_nearest_even(float v) {
   return f32_add(f32_add(v, magic), -magic);
 }
 
-// Scale of a block from its absmax and "saw a NaN/Inf" flag.
+// Scale of a block from its absmax and "saw a NaN/Inf" flag: the IEEE fp32
+// quotient absmax / qmax (see the contract at the top; not a reciprocal multiply).
 ZPP_HD float block_scale(float absmax, bool nonfinite, int qmax) {
   if (nonfinite) return __builtin_nanf("");
   return f32_div(absmax, static_cast<float>(qmax));
