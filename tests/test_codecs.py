@@ -5,9 +5,18 @@ import math
 import pytest
 import torch
 
-from megatron_zpp.compression import available_codecs, get_codec, layout
+from megatron_zpp.compression import available_codecs, get_codec, layout, ops
 
 FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture
+def device(device):
+    """conftest's devices; a GPU only where the CUDA kernels are built (without them, encoding a CUDA
+    tensor raises instead of silently running the slow reference: see tests/test_kernels.py)."""
+    if device.type == "cuda" and not ops.kernels_available(device):
+        pytest.skip("the extension was built without CUDA kernels (ZPP_BUILD_CUDA=1 builds them)")
+    return device
 QUANT_SPECS = ["int8:block=256", "int4:block=128", "int8:block=64", "int4:block=32,rounding=stochastic"]
 
 

@@ -372,3 +372,72 @@ def test_reference_float_arithmetic_has_no_python_number_operands_except_exact_p
                   if not (name in ("mul", "__mul__", "__rmul__") and all(math.frexp(abs(v))[0] == 0.5 for v in nums))]
     assert mode.seen, "the recorder saw nothing: is stochastic_uniform's 2^-24 multiply gone?"
     assert not suspicious, f"fp arithmetic with Python-number operands (device-dependent rounding): {suspicious}"
+
+
+# ------------------------------------------------------------ dispatch ------
+def test_cuda_tensor_without_cuda_kernels_raises_instead_of_falling_back(monkeypatch):
+    """backend="auto" on a GPU without CUDA kernels is an error naming the device, why and the fix;
+    tested on the dispatch decision, so no GPU is needed."""
+    from megatron_zpp.compression import _extension, reference
+
+    monkeypatch.setattr(ops, "kernels_available", lambda device="cpu": torch.device(device).type == "cpu")
+    for backend in ("auto", "kernel"):
+        with pytest.raises(RuntimeError) as info:
+            ops._impl("quantize_rows_", torch.device("cuda", 1), backend)
+        msg = str(info.value)
+        assert "cuda:1" in msg
+        assert "ZPP_BUILD_CUDA=1 pip install --no-build-isolation -e ." in msg
+        assert 'backend="reference"' in msg
+    if _extension.load():  # why: the extension has no CUDA kernels
+        assert "built without its CUDA kernels" in msg or "has no CUDA kernels" in msg
+    # why: the extension did not load at all
+    monkeypatch.setattr(_extension, "load", lambda: False)
+    monkeypatch.setattr(_extension, "_load_error", "megatron_zpp._C is not built (test); ZPP_JIT=0 disables the JIT build")
+    with pytest.raises(RuntimeError, match=r"cuda tensors .*megatron_zpp._C is not built \(test\).*ZPP_BUILD_CUDA=1"):
+        ops._impl("dequant_reduce_", torch.device("cuda"), "auto")
+    # explicit reference still works, on any device
+    for name in CUDA_ARITH_OPS:
+        assert ops._impl(name, torch.device("cuda"), "reference") is getattr(reference, name)
+
+
+def test_cpu_without_kernels_falls_back_to_the_reference_with_a_warning(monkeypatch):
+    from megatron_zpp.compression import _extension, reference
+
+    x = sample(1000, torch.float32, "cpu")
+    want = ops.quantize(x, 4, 128, backend="reference")
+    monkeypatch.setattr(_extension, "load", lambda: False)  # as if neither _C nor the JIT build loaded
+    monkeypatch.setattr(_extension, "_load_error", "megatron_zpp._C is not built (simulated)")
+    assert not ops.kernels_available("cpu")
+    with pytest.warns(UserWarning, match=r"unavailable for cpu tensors, using the pure-PyTorch reference") as rec:
+        got = ops.quantize(x, 4, 128)
+        assert ops._impl("quantize_rows_", torch.device("cpu"), "auto") is reference.quantize_rows_
+    assert torch.equal(got, want)
+    msg = str(rec[0].message)
+    assert "megatron_zpp._C is not built (simulated)" in msg and "pip install --no-build-isolation -e ." in msg
+    with pytest.raises(RuntimeError, match="no compiled kernels for cpu tensors"):
+        ops.quantize(x, 4, 128, backend="kernel")
+
+
+def test_cpu_fallback_warns_when_the_extension_is_missing_and_jit_is_off(tmp_path):
+    """The real path (no megatron_zpp._C, ZPP_JIT=0) in a fresh interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import sys, warnings
+sys.modules["megatron_zpp._C"] = None  # importing it raises ImportError, as when it is not built
+import torch
+from megatron_zpp.compression import ops, _extension
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    packed = ops.quantize(torch.linspace(-1, 1, 300), 8, 256)
+assert not ops.kernels_available("cpu")
+assert torch.equal(packed, ops.quantize(torch.linspace(-1, 1, 300), 8, 256, backend="reference"))
+print("WARNINGS:", [str(w.message) for w in caught])
+"""
+    env = dict(os.environ, ZPP_JIT="0", ZPP_EXTENSION_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "using the pure-PyTorch reference" in proc.stdout, proc.stdout
+    assert "ZPP_JIT=0 disables the JIT build" in proc.stdout

@@ -2,9 +2,11 @@
 
 Order: the extension built by ``pip install`` (``megatron_zpp._C``), else a JIT
 build of ``csrc/`` cached under ``$ZPP_EXTENSION_DIR`` (default
-``~/.cache/megatron_zpp``), else nothing: callers then use the pure-PyTorch
-reference and ``kernels_available()`` says why. ``ZPP_JIT=0`` disables the JIT
-build (e.g. where no compiler is installed).
+``~/.cache/megatron_zpp``), else nothing: the ops then use the pure-PyTorch
+reference with a warning on CPU and raise on CUDA (``ops.py``); ``load_error()``
+says why. ``ZPP_JIT=0`` disables the JIT build (e.g. where no compiler is
+installed). The JIT build has CPU kernels only; CUDA kernels come from
+``ZPP_BUILD_CUDA=1 pip install --no-build-isolation -e .``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ NVCC_FLAGS = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "--fmad=false"] +
 ]
 
 _load_error: str | None = None
+_loaded_from: str | None = None
 
 
 def cpu_sources() -> list[Path]:
@@ -48,9 +51,11 @@ def _has_ops() -> bool:
 @functools.cache
 def load() -> bool:
     """Load the kernels once; True when ``torch.ops.megatron_zpp`` has CPU implementations."""
-    global _load_error
+    global _load_error, _loaded_from
     try:
         import megatron_zpp._C  # noqa: F401  (registers the ops on import)
+
+        _loaded_from = "megatron_zpp._C"
         return _has_ops()
     except ImportError as exc:
         _load_error = f"megatron_zpp._C is not built ({exc})"
@@ -76,19 +81,21 @@ def load() -> bool:
             is_python_module=False,
             verbose=os.environ.get("ZPP_JIT_VERBOSE") == "1",
         )
+        _loaded_from = f"the CPU-only JIT build in {build_dir}"
         return _has_ops()
     except Exception as exc:  # compiler missing, headers missing, ...
         _load_error += f"; JIT build failed: {exc}"
-        warnings.warn(
-            f"megatron_zpp: C++ kernels unavailable, using the pure-PyTorch reference (slow). {_load_error}. "
-            "Build them with `pip install --no-build-isolation -e .` (needs a C++ compiler).",
-            stacklevel=2,
-        )
+        warnings.warn(f"megatron_zpp: the JIT build of the C++ kernels failed: {_load_error}", stacklevel=2)
         return False
 
 
 def load_error() -> str | None:
     return _load_error
+
+
+def loaded_from() -> str | None:
+    """Where the loaded kernels came from (``megatron_zpp._C`` or the JIT build), None if none loaded."""
+    return _loaded_from
 
 
 def has_cuda_kernels() -> bool:

@@ -12,11 +12,16 @@ that agree bit for bit:
 ``dequant_reduce_``             packed [C, K, row_bytes] -> sum over C / divisor -> out
 ==============================  =====================================================
 
-``backend`` selects ``"auto"`` (kernels when built for the tensor's device, else
-the reference), ``"kernel"`` (error if not built) or ``"reference"``.
+``backend`` selects ``"auto"``, ``"kernel"`` (error if not built for the tensor's
+device) or ``"reference"`` (the pure-PyTorch reference, on any device). ``"auto"``
+uses the kernels when they are built for the tensor's device; without them it
+falls back to the reference with a warning on CPU, and raises on CUDA: a silent
+switch to the reference would make GPU training many times slower.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -35,17 +40,49 @@ def kernels_available(device: torch.device | str = "cpu") -> bool:
     return False
 
 
+CPU_BUILD_HINT = "pip install --no-build-isolation -e ."
+CUDA_BUILD_HINT = "ZPP_BUILD_CUDA=1 pip install --no-build-isolation -e ."
+
+
+def _why_unavailable(device: torch.device) -> str:
+    if not _extension.load():
+        return _extension.load_error() or "the kernel extension did not load"
+    if device.type == "cuda":
+        source = _extension.loaded_from()
+        if source == "megatron_zpp._C":
+            return ("megatron_zpp._C was built without its CUDA kernels (ZPP_BUILD_CUDA=0, or no CUDA "
+                    "toolkit found at build time)")
+        return f"the kernels in use come from {source}, which has no CUDA kernels"
+    return f"no kernels exist for device type {device.type!r} (only cpu and cuda)"
+
+
+def _unavailable_error(device: torch.device, backend: str) -> RuntimeError:
+    why = _why_unavailable(device)
+    if device.type == "cuda":
+        todo = (f"build the CUDA kernels with `{CUDA_BUILD_HINT}` (needs nvcc for torch's CUDA version), "
+                'or pass backend="reference" to run the slow pure-PyTorch reference on the GPU explicitly')
+    else:
+        todo = f'build the kernels with `{CPU_BUILD_HINT}`, or pass backend="reference"'
+    implicit = "" if backend == "kernel" else " (backend='auto' does not fall back to the reference on GPUs)"
+    return RuntimeError(f"megatron_zpp: no compiled kernels for {device} tensors{implicit}: {why}. To fix: {todo}.")
+
+
 def _impl(name: str, device: torch.device, backend: str):
+    """The implementation of op ``name`` for tensors on ``device`` (the dispatch decision)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    device = torch.device(device)
     if backend == "reference":
         return getattr(reference, name)
     if kernels_available(device):
         return getattr(torch.ops.megatron_zpp, name)
-    if backend == "kernel":
-        raise RuntimeError(
-            f"megatron_zpp kernels are not available for device {device}: {_extension.load_error()}"
-        )
+    if backend == "kernel" or device.type == "cuda":
+        raise _unavailable_error(device, backend)
+    todo = 'pass backend="reference" to choose the reference explicitly'
+    if device.type == "cpu":
+        todo = f"build the kernels with `{CPU_BUILD_HINT}` (needs a C++ compiler), or {todo}"
+    warnings.warn(f"megatron_zpp: compiled kernels unavailable for {device.type} tensors, using the pure-PyTorch "
+                  f"reference (slow): {_why_unavailable(device)}. To fix: {todo}.", stacklevel=3)
     return getattr(reference, name)
 
 
