@@ -511,3 +511,75 @@ def all_reduce_worker() -> dict:
             dist.all_gather(everyone, t)
             assert all(torch.equal(e, everyone[0]) for e in everyone), f"replicas differ ({codec}, {numel})"
     return out
+
+
+def issue_order_worker(seed: int) -> dict:
+    """Async qgZ (two hops), qwZ and compressed all-reduce calls interleaved, with rank-dependent
+    random host delays between calls and before waits. Every collective any of them issues is
+    logged in issue order (group role, op, bytes): the order must be identical on every rank (NCCL
+    requires it) whatever the timing, and no helper thread may exist."""
+    import random
+    import threading
+    import time
+
+    topo = Topology(None)
+    groups = topo._groups
+    roles = {id(g.group): name for name, g in (("flat", groups.flat), ("intra", groups.intra),
+                                               ("inter", groups.inter), ("hpz", groups.hpz)) if g.group is not None}
+    log: list = []
+    threads: set = set()
+    originals = {n: getattr(dist, n) for n in ("all_to_all_single", "all_gather_into_tensor")}
+
+    def logged(name):
+        def call(out, inp, *args, group=None, **kwargs):
+            log.append((roles.get(id(group), "other"), name, inp.numel() * inp.element_size()))
+            threads.add(threading.current_thread().name)
+            return originals[name](out, inp, *args, group=group, **kwargs)
+        return call
+
+    rng = random.Random(seed * 1000 + topo.rank)
+    size = topo.size
+    xs = [torch.randn(size * n) for n in (64, 300, 1000, 7)]
+    outs = [torch.empty(n) for n in (64, 300, 1000, 7)]
+    gathered = torch.empty(size * 300)
+    for n in originals:
+        setattr(dist, n, logged(n))
+    try:
+        for _ in range(3):
+            handles = []
+            for i, (x, y) in enumerate(zip(xs, outs)):
+                time.sleep(rng.random() * 0.02)
+                handles.append(qgz_reduce_scatter(y, x, topo, codec="int4:block=128", async_op=True,
+                                                  stages=1 + i % 2))
+                if i == 1:
+                    handles.append(quantized_all_gather(gathered, xs[1][:300], topo, codec="int8:block=256",
+                                                        async_op=True))
+            time.sleep(rng.random() * 0.02)
+            handles.append(compressed_all_reduce(xs[3].clone(), topo, codec="int8:block=256", async_op=True))
+            for h in reversed(handles) if rng.random() < 0.5 else handles:
+                time.sleep(rng.random() * 0.01)
+                h.wait()
+    finally:
+        for n, f in originals.items():
+            setattr(dist, n, f)
+    return {"log": log, "threads": sorted(threads),
+            "comm_threads": [t.name for t in threading.enumerate() if t.name.startswith("zpp")]}
+
+
+def stochastic_reproducible_worker() -> list[str]:
+    """Digests of stochastic-rounding qgZ / qwZ results over several async calls in flight."""
+    import hashlib
+
+    topo = Topology(None)
+    size = topo.size
+    digests = []
+    for it in range(3):
+        x = heavy_tailed(size * 300, gen(7 + it, topo.rank)).to(torch.float32)
+        y = torch.empty(300)
+        g = torch.empty(size * 300)
+        h1 = qgz_reduce_scatter(y, x, topo, codec="int4:block=128,rounding=stochastic", async_op=True)
+        h2 = quantized_all_gather(g, x[:300], topo, codec="int8:block=256,rounding=stochastic", async_op=True)
+        h2.wait()
+        h1.wait()
+        digests += [hashlib.sha1(t.numpy().tobytes()).hexdigest() for t in (y, g)]
+    return digests

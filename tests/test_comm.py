@@ -123,3 +123,58 @@ def test_bad_arguments_name_the_value():
     assert "torch.int32" in out["bad_dtype"] and "codec='none'" in out["bad_dtype"]
     assert "stages=0" in out["bad_stages"]
     assert "intra_codec" in out["mixed_none"]
+
+
+def test_collectives_are_issued_in_the_same_order_on_every_rank_whatever_the_timing():
+    """No thread issues a collective: every hop, qgZ's inter-node hop included, reaches the
+    communicators from the caller's thread at the same point of every rank's call sequence,
+    under rank-dependent random host delays (NCCL hangs or corrupts otherwise)."""
+    for seed in (1, 2):
+        results = run_distributed(checks.issue_order_worker, 4, seed, ranks_per_node=2)
+        logs = [r["log"] for r in results]
+        print(f"\nseed {seed}: {len(logs[0])} collectives issued per rank; threads {results[0]['threads']}")
+        assert len(logs[0]) > 30 and any(role == "inter" for role, _, _ in logs[0])
+        assert all(log == logs[0] for log in logs), "issue order differs across ranks"
+        for r in results:
+            assert r["threads"] == ["MainThread"] and r["comm_threads"] == [], r["threads"]
+
+
+def test_stochastic_rounding_is_reproducible_run_to_run():
+    first = run_distributed(checks.stochastic_reproducible_worker, 4, ranks_per_node=2)
+    second = run_distributed(checks.stochastic_reproducible_worker, 4, ranks_per_node=2)
+    assert first == second
+    assert len(set(first[0][0::2])) == 3  # each iteration's inputs and seeds differ
+
+
+def test_stochastic_seeds_are_per_call_site():
+    """The n-th call at one site gets the same seed however many calls other sites made."""
+    from megatron_zpp.comm._common import WireFormat
+    from megatron_zpp.compression import get_codec
+
+    codec = get_codec("int4:block=128,rounding=stochastic")
+    alone, mixed = WireFormat(codec, 4, 128, True), WireFormat(codec, 4, 128, True)
+    a = [alone.seed(0, "dp.grad/qgz.hop1") for _ in range(4)]
+    b = []
+    for i in range(4):
+        for _ in range(i):
+            mixed.seed(0, "dp.grad/qgz.hop2")
+        b.append(mixed.seed(0, "dp.grad/qgz.hop1"))
+    assert a == b and len(set(a)) == 4
+    assert mixed.seed(1, "x") != WireFormat(codec, 4, 128, True).seed(0, "x")  # per rank
+    assert mixed.seed(0, "dp.grad/qgz.hop2") not in a  # per site
+
+
+def test_scratch_pool_is_bounded_and_releasable():
+    import torch
+    from megatron_zpp.comm.topology import BufferPool
+
+    pool = BufferPool(max_cached_bytes=100)
+    bufs = [pool.take(60, torch.device("cpu")) for _ in range(3)]
+    for b in bufs:
+        pool.give(b)
+    assert pool.cached_bytes == 60  # a second 60-byte buffer would exceed the 100-byte cap
+    again = pool.take(60, torch.device("cpu"))
+    assert again.data_ptr() == bufs[0].data_ptr() and pool.cached_bytes == 0
+    pool.give(again)
+    pool.release()
+    assert pool.cached_bytes == 0 and pool.allocated_bytes == 180

@@ -19,7 +19,7 @@ from megatron_zpp.comm.all_reduce import compressed_all_reduce
 from megatron_zpp.comm.passthrough import record_torch_collective, torch_reduce_scatter
 from megatron_zpp.comm.reduce_scatter import qgz_reduce_scatter, ring_reduce_scatter
 from megatron_zpp.comm.stats import CommStats, TagStats, comm_stats
-from megatron_zpp.comm.topology import Topology
+from megatron_zpp.comm.topology import Topology, release_buffers
 
 __all__ = [
     "CommHandle",
@@ -33,6 +33,7 @@ __all__ = [
     "qgz_reduce_scatter",
     "quantized_all_gather",
     "record_torch_collective",
+    "release_buffers",
     "ring_reduce_scatter",
     "torch_reduce_scatter",
 ]

@@ -1,11 +1,10 @@
-"""What every collective in this package shares: codec resolution, the async handle,
-argument checks, the first-use cross-rank agreement check and per-rank rounding seeds."""
+"""What every collective in this package shares: codec resolution, argument checks, the
+first-use cross-rank agreement check and per-call-site, per-rank rounding seeds."""
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Callable
+import zlib
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -13,7 +12,7 @@ import torch.distributed as dist
 from megatron_zpp.compression import Codec, get_codec
 from megatron_zpp.compression.blockwise import BlockwiseQuantCodec
 from megatron_zpp.compression.identity import IdentityCodec
-from megatron_zpp.compression.reference import mix32_int
+from megatron_zpp.comm.execution import CommHandle  # noqa: F401  (re-exported)
 from megatron_zpp.comm.topology import Topology
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -28,6 +27,7 @@ class WireFormat:
     bits: int | None
     block: int
     stochastic: bool
+    calls: dict = field(default_factory=dict, compare=False, repr=False)  # call site -> calls so far
 
     @property
     def spec(self) -> str:
@@ -37,12 +37,34 @@ class WireFormat:
     def compressed(self) -> bool:
         return self.bits is not None
 
-    def seed(self, group_rank: int) -> int:
-        """Stochastic rounding seed: a fresh stream per call and a distinct one per rank,
-        so the rounding errors of the ranks being summed are independent."""
+    def seed(self, group_rank: int, site: str) -> int:
+        """Stochastic rounding seed of the next call at ``site`` (e.g. ``"dp.grad/qgz.hop1"``).
+
+        A fresh stream per call, a distinct one per rank (the rounding errors of the ranks being
+        summed are independent) and per call site: the n-th call at a site gets the same seed
+        whatever other sites did in between, so stochastic runs are reproducible."""
         if not self.stochastic:
             return 0
-        return self.codec.next_seed() ^ (mix32_int(0x9E3779B9 ^ group_rank) << 16)
+        n = self.calls[site] = self.calls.get(site, 0) + 1
+        return site_seed(self.codec.seed, site, n, group_rank)
+
+
+def _mix32(x: int) -> int:
+    """The kernels' 32-bit hash (quant_math.h ``mix32``) on a Python int: no tensor on the comm path."""
+    x &= 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def site_seed(base: int, site: str, call: int, rank: int) -> int:
+    """64-bit stochastic-rounding seed of call number ``call`` at ``site`` on ``rank``, from ``base``."""
+    h = _mix32(zlib.crc32(site.encode()) ^ _mix32(base))
+    lo = _mix32(h ^ _mix32(call) ^ (call >> 32))
+    hi = _mix32(_mix32(h ^ 0x9E3779B9) ^ _mix32(rank))
+    return (hi << 32) | lo
 
 
 def wire_format(topology: Topology, codec: str | Codec | None, what: str) -> WireFormat:
@@ -84,31 +106,10 @@ def agree(topology: Topology, what: str, **settings) -> None:
     groups.agreed.add(key)
 
 
-class CommHandle:
-    """Returned by ``async_op=True`` calls. ``wait()`` finishes the collective (decode and
-    reduce into the output); the output must not be read before it. Waiting twice is a no-op."""
-
-    def __init__(self, finish: Callable[[], None]) -> None:
-        self._finish: Callable[[], None] | None = finish
-
-    def wait(self) -> bool:
-        if self._finish is not None:
-            finish, self._finish = self._finish, None
-            finish()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._finish is None
-
-
 def wait(work) -> None:
     """Wait on a torch.distributed work (``None``: a group of one, nothing in flight)."""
     if work is not None:
         work.wait()
-
-
-def result_of(future: Future | None):
-    return None if future is None else future.result()
 
 
 def check_float(name: str, t: torch.Tensor, what: str) -> None:

@@ -25,6 +25,7 @@ import torch
 
 from megatron_zpp.compression import Codec, layout, ops
 from megatron_zpp.comm._common import CommHandle, WireFormat, agree, check_float, check_pair, wait, wire_format
+from megatron_zpp.comm.execution import comm_stream, launch
 from megatron_zpp.comm.stats import comm_stats
 from megatron_zpp.comm.topology import Topology
 
@@ -120,19 +121,23 @@ def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, topology: To
             hpz_shard.valid = True
         return CommHandle(lambda: None) if async_op else None
 
-    if not fmt.compressed:
-        work = flat.all_gather(output, input)
+    groups = topology._groups
+    stream = comm_stream(input.device, "gather")
+    scratch = groups.buffers.lease(input.device, stream)
 
-        def finish() -> None:
-            wait(work)
-            if hpz_shard is not None:
-                hpz_shard._fill_from(output.view(-1).view(torch.uint8).view(size, rb))
-    else:
-        pool = topology.buffers
-        payload = pool.take(rb, input.device)
-        gathered = pool.take(size * rb, input.device)
-        ops.quantize_rows_(input.view(-1), payload.view(1, rb), fmt.bits, fmt.block,
-                           fmt.stochastic, fmt.seed(topology.rank))
+    def first():
+        if not fmt.compressed:
+            work = flat.all_gather(output, input)
+
+            def finish() -> None:
+                wait(work)
+                if hpz_shard is not None:
+                    hpz_shard._fill_from(output.view(-1).view(torch.uint8).view(size, rb))
+            return [], finish
+        payload = scratch.take(rb)
+        gathered = scratch.take(size * rb)
+        ops.quantize_rows_(input.view(-1), payload.view(1, rb), fmt.bits, fmt.block, fmt.stochastic,
+                           fmt.seed(topology.rank, f"{tag}/qwz"))
         work = flat.all_gather(gathered, payload)
 
         def finish() -> None:
@@ -141,12 +146,11 @@ def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, topology: To
             ops.dequantize_rows_(rows, output.view(-1), fmt.bits, fmt.block)
             if hpz_shard is not None:
                 hpz_shard._fill_from(rows)
-            pool.give(payload, gathered)
+            scratch.release()
+        return [], finish
 
-    if async_op:
-        return CommHandle(finish)
-    finish()
-    return None
+    used = (input, output) + ((hpz_shard.payload,) if hpz_shard is not None else ())
+    return launch(groups.in_flight, groups.host_blocking, stream, used, first, async_op)
 
 
 def hpz_all_gather(output: torch.Tensor, hpz_shard: HpzShard, topology: Topology | None = None,
@@ -178,21 +182,23 @@ def hpz_all_gather(output: torch.Tensor, hpz_shard: HpzShard, topology: Topology
     if hpz_shard.shard_numel == 0:
         return CommHandle(lambda: None) if async_op else None
 
-    pool = topology.buffers
-    if fmt.compressed:
-        gathered = pool.take(size * hpz_shard.row_bytes, output.device)
-    else:
-        gathered = output.view(-1).view(torch.uint8)
-    work = hpz.all_gather(gathered, part)
+    groups = topology._groups
+    stream = comm_stream(output.device, "gather")
+    scratch = groups.buffers.lease(output.device, stream)
 
-    def finish() -> None:
-        wait(work)
+    def first():
         if fmt.compressed:
-            ops.dequantize_rows_(gathered.view(size, hpz_shard.row_bytes), output.view(-1),
-                                 fmt.bits, fmt.block)
-            pool.give(gathered)
+            gathered = scratch.take(size * hpz_shard.row_bytes)
+        else:
+            gathered = output.view(-1).view(torch.uint8)
+        work = hpz.all_gather(gathered, part)
 
-    if async_op:
-        return CommHandle(finish)
-    finish()
-    return None
+        def finish() -> None:
+            wait(work)
+            if fmt.compressed:
+                ops.dequantize_rows_(gathered.view(size, hpz_shard.row_bytes), output.view(-1),
+                                     fmt.bits, fmt.block)
+            scratch.release()
+        return [], finish
+
+    return launch(groups.in_flight, groups.host_blocking, stream, (hpz_shard.payload, output), first, async_op)

@@ -30,31 +30,38 @@ def compressed_all_reduce(tensor: torch.Tensor, topology: Topology, codec: str |
         raise ValueError(f"{what}: tensor must be contiguous")
     if codec not in (None, "none"):
         check_float("tensor", tensor, what)
-    size, numel, pool = topology.size, tensor.numel(), topology.buffers
+    size, numel = topology.size, tensor.numel()
     chunk = layout.ceil_div(numel, size)
     elt = tensor.element_size()
     flat = tensor.view(-1)
-    padded_raw = None
+    # The padded copy and the shard cross streams on CUDA (caller -> reduce -> gather -> caller):
+    # there they come from the caching allocator, which the collectives' record_stream keeps safe;
+    # on CPU (no streams) from the topology's pool.
+    scratch = topology.buffers.lease(tensor.device) if not tensor.is_cuda else None
+
+    def take(nbytes: int) -> torch.Tensor:
+        if scratch is None:
+            return torch.empty(nbytes, dtype=torch.uint8, device=tensor.device)
+        return scratch.take(nbytes)
+
     if chunk * size != numel:
-        padded_raw = pool.take(chunk * size * elt, tensor.device)
-        padded = padded_raw.view(tensor.dtype)
+        padded = take(chunk * size * elt).view(tensor.dtype)
         padded[numel:].zero_()
         padded[:numel].copy_(flat)
     else:
         padded = flat
-    shard_raw = pool.take(max(chunk, 1) * elt, tensor.device)
-    shard = shard_raw.view(tensor.dtype)[:chunk]
+    shard = take(max(chunk, 1) * elt).view(tensor.dtype)[:chunk]
     rs = qgz_reduce_scatter(shard, padded, topology, codec=codec, op=op, async_op=True, tag=tag,
                             intra_codec=intra_codec, stages=stages)
 
     def finish() -> None:
         rs.wait()
-        # The reduce-scatter read `padded` at its call, so it can receive the gather.
+        # The reduce-scatter read `padded` before writing `shard`, so it can receive the gather.
         quantized_all_gather(padded, shard, topology, codec=codec, tag=tag)
-        if padded_raw is not None:
+        if padded.data_ptr() != flat.data_ptr():
             flat.copy_(padded[:numel])
-            pool.give(padded_raw)
-        pool.give(shard_raw)
+        if scratch is not None:
+            scratch.release()
 
     if async_op:
         return CommHandle(finish)

@@ -12,7 +12,7 @@ import torch
 
 from megatron_zpp.compression import get_codec, layout, ops
 from megatron_zpp.compression.blockwise import BlockwiseQuantCodec
-from megatron_zpp.comm._common import FLOAT_DTYPES, VALID_COMM_CODECS
+from megatron_zpp.comm._common import FLOAT_DTYPES, VALID_COMM_CODECS, site_seed
 from megatron_zpp.comm.stats import comm_stats
 
 
@@ -24,15 +24,21 @@ class P2PCodec:
         if not isinstance(codec, BlockwiseQuantCodec):
             raise ValueError(f"pipeline p2p codec {spec!r} is not supported; valid: {VALID_COMM_CODECS}")
         self.codec, self.bits, self.block = codec, codec.bits, codec.block
+        self._calls: dict[str, int] = {}  # call site -> sends so far (stochastic rounding seeds)
 
     def payload_bytes(self, numel: int) -> int:
         return layout.row_bytes(numel, self.bits, self.block)
 
-    def encode(self, t: torch.Tensor) -> torch.Tensor:
+    def encode(self, t: torch.Tensor, site: str = "p2p", rank: int = 0) -> torch.Tensor:
+        """``site`` names the call site (e.g. ``"pp.send_next"``): each has its own reproducible
+        stochastic-rounding seed stream."""
         if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"pipeline p2p compression takes {FLOAT_DTYPES}, got {t.dtype}")
         payload = torch.empty(1, self.payload_bytes(t.numel()), dtype=torch.uint8, device=t.device)
-        seed = self.codec.next_seed() if self.codec.stochastic else 0
+        seed = 0
+        if self.codec.stochastic:
+            n = self._calls[site] = self._calls.get(site, 0) + 1
+            seed = site_seed(self.codec.seed, site, n, rank)
         ops.quantize_rows_(t.detach().contiguous().view(-1), payload, self.bits, self.block,
                            self.codec.stochastic, seed)
         return payload.view(-1)

@@ -13,26 +13,27 @@ import torch.distributed as dist
 
 from megatron_zpp.comm._common import check_pair, reduce_divisor
 from megatron_zpp.comm.stats import comm_stats
-from megatron_zpp.comm.topology import Topology
+from megatron_zpp.comm.topology import Topology, _GroupInfo, group_layout
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
-def _is_gloo(topology: Topology) -> bool:
-    group = topology._groups.flat.group
-    return group is not None and dist.get_backend(group) == "gloo"
+def record_torch_collective(tag: str, kind: str, group: dist.ProcessGroup | None, chunk_bytes: int,
+                            ranks_per_node: int | None = None) -> None:
+    """Record one torch collective over ``group`` from sizes alone (no group is created, nothing is
+    sent); ``chunk_bytes`` is one rank's shard (all-gather input, reduce-scatter output) or
+    ``tensor bytes / size`` for an all-reduce. ``ranks_per_node``: see :func:`group_layout`."""
+    _record(tag, kind, group_layout(group, ranks_per_node), chunk_bytes,
+            gloo=dist.get_backend(group) == "gloo")
 
 
-def record_torch_collective(tag: str, kind: str, topology: Topology, chunk_bytes: int) -> None:
-    """Record one torch collective over ``topology``'s group; ``chunk_bytes`` is one rank's shard
-    (all-gather input, reduce-scatter output) or ``tensor bytes / size`` for an all-reduce."""
+def _record(tag: str, kind: str, layout: _GroupInfo, chunk_bytes: int, gloo: bool) -> None:
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}; valid: {KINDS}")
-    size = topology.size
-    steps = size - 1
-    if kind == "all_reduce" or (kind == "reduce_scatter" and _is_gloo(topology)):
+    steps = layout.size - 1
+    if kind == "all_reduce" or (kind == "reduce_scatter" and gloo):
         steps *= 2  # ring all-reduce = reduce-scatter + all-gather
-    intra, inter = topology._groups.flat.split_ring(steps * chunk_bytes)
+    intra, inter = layout.split_ring(steps * chunk_bytes)
     comm_stats().record(tag, intra, inter)
 
 
@@ -44,7 +45,8 @@ def torch_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: To
     check_pair(output, input, what)
     flat = topology._groups.flat
     divisor = reduce_divisor(op, topology.size, what)
-    record_torch_collective(tag, "reduce_scatter", topology, output.numel() * output.element_size())
+    _record(tag, "reduce_scatter", flat, output.numel() * output.element_size(),
+            gloo=flat.group is not None and dist.get_backend(flat.group) == "gloo")
     if flat.group is None:
         output.copy_(input.view(output.shape))
     else:

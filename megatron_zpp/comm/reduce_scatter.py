@@ -36,18 +36,10 @@ import torch.distributed as dist
 
 from megatron_zpp.compression import Codec, layout, ops
 from megatron_zpp.comm._common import (
-    CommHandle, WireFormat, agree, check_float, check_pair, reduce_divisor, result_of, wait, wire_format)
+    CommHandle, WireFormat, agree, check_float, check_pair, reduce_divisor, wait, wire_format)
+from megatron_zpp.comm.execution import comm_stream, launch
 from megatron_zpp.comm.stats import comm_stats
-from megatron_zpp.comm.topology import Topology
-
-
-def _enter_device(device: torch.device) -> None:
-    """On the comm worker thread, CUDA work must target the caller's device. The worker's current
-    stream is the device's default stream: waiting on hop 1's work makes it wait for NCCL, the
-    reduce kernel runs there, hop 2 starts after it, and the caller's stream waits on hop 2 in
-    ``wait()``, so every buffer is ordered without a host synchronization."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+from megatron_zpp.comm.topology import Scratch, Topology
 
 
 def _hop_bytes(topology: Topology, stages: int, row1: int, row2: int) -> tuple[int, int]:
@@ -73,8 +65,9 @@ def qgz_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topo
         topology: the group and its node layout.
         codec: codec of the inter-node hop (and of the intra-node hop unless ``intra_codec``).
         op: ``"mean"`` or ``"sum"``; accumulation is fp32 whatever the input dtype.
-        async_op: return a :class:`CommHandle`; the middle step (wait hop 1, reduce, start
-            hop 2) runs on the topology's comm worker, so the caller is never blocked.
+        async_op: return a :class:`CommHandle`. Hop 1 is issued at the call; hop 2 is enqueued at
+            the call too with NCCL, or issued at the next progress point with gloo (see
+            ``execution.py``); ``wait()`` delivers ``output``.
         tag: byte-accounting tag.
         intra_codec: codec of the intra-node hop, e.g. INT8 inside the node and INT4 across.
         stages: pipeline stages (Algorithm 2); each chunk is split into this many slices.
@@ -113,87 +106,78 @@ def qgz_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topo
     comm_stats().record(tag, *_hop_bytes(topology, stages, *rows),
                         uncompressed=_hop_bytes(topology, stages, raw_row, raw_row))
     run = _compressed if inter_fmt.compressed else _uncompressed
-    middle, finish = run(output, input, topology, intra_fmt, inter_fmt, stages, slice_len, divisor, tag)
-    if not async_op:
-        works = middle()
-        finish(works)
-        return None
-    future = topology._groups.executor().submit(middle) if middle is not _no_middle else None
-    return CommHandle(lambda: finish(result_of(future)))
+    groups = topology._groups
+    stream = comm_stream(input.device, "reduce")
+    scratch = groups.buffers.lease(input.device, stream)
+    site = f"{tag}/qgz"
+    return launch(groups.in_flight, groups.host_blocking, stream, (input, output),
+                  lambda: run(output, input, topology, intra_fmt, inter_fmt, stages, slice_len, divisor, scratch,
+                              site), async_op)
 
 
-def _no_middle():
-    return None
-
-
-def _staged_input(input: torch.Tensor, topology: Topology, stages: int, slice_len: int):
-    """``input`` as ``[size, stages * slice_len]``, zero-padded through a pooled copy when needed."""
-    size, length = topology.size, input.numel() // topology.size
+def _staged_input(input: torch.Tensor, size: int, stages: int, slice_len: int, scratch: Scratch) -> torch.Tensor:
+    """``input`` as ``[size, stages * slice_len]``, zero-padded through a scratch copy when needed."""
+    length = input.numel() // size
     if stages * slice_len == length:
-        return input.view(-1), None
-    nbytes = size * stages * slice_len * input.element_size()
-    staging = topology.buffers.take(nbytes, input.device)
+        return input.view(-1)
+    staging = scratch.take(size * stages * slice_len * input.element_size())
     padded = staging.view(input.dtype).view(size, stages * slice_len)
     padded[:, length:].zero_()
     padded[:, :length].copy_(input.view(size, length))
-    return padded.view(-1), staging
+    return padded.view(-1)
 
 
-def _staged_output(output: torch.Tensor, topology: Topology, stages: int, slice_len: int):
+def _staged_output(output: torch.Tensor, stages: int, slice_len: int, scratch: Scratch):
+    """Where the stages write: ``output`` itself, or a padded scratch copy (``copy_back`` True)."""
     if stages * slice_len == output.numel():
-        return output.view(-1), None
-    staging = topology.buffers.take(stages * slice_len * output.element_size(), output.device)
-    return staging.view(output.dtype), staging
+        return output.view(-1), False
+    return scratch.take(stages * slice_len * output.element_size()).view(output.dtype), True
 
 
 def _compressed(output, input, topology: Topology, intra_fmt: WireFormat, inter_fmt: WireFormat,
-                stages: int, slice_len: int, divisor: int, tag: str):
-    groups, pool, device = topology._groups, topology.buffers, input.device
+                stages: int, slice_len: int, divisor: int, scratch: Scratch, site: str):
+    groups = topology._groups
     size, nodes, node_size = topology.size, topology.num_nodes, topology.node_size
     two_hops = nodes > 1 and node_size > 1
     first_fmt = intra_fmt if node_size > 1 else inter_fmt
     first = groups.intra if node_size > 1 else groups.inter  # size-1 groups when size == 1
 
-    x, in_staging = _staged_input(input, topology, stages, slice_len)
+    x = _staged_input(input, size, stages, slice_len, scratch)
     rb1 = layout.row_bytes(slice_len, first_fmt.bits, first_fmt.block)
-    send1 = pool.take(stages * size * rb1, device)
-    recv1 = pool.take(stages * size * rb1, device)
+    send1 = scratch.take(stages * size * rb1)
+    recv1 = scratch.take(stages * size * rb1)
     ops.reorder_quantize_(x, send1.view(stages * size, rb1), first_fmt.bits, first_fmt.block, nodes,
-                          node_size, stages, first_fmt.stochastic, first_fmt.seed(topology.rank))
-    if in_staging is not None:
-        pool.give(in_staging)
+                          node_size, stages, first_fmt.stochastic, first_fmt.seed(topology.rank, site + ".hop1"))
     send1_s, recv1_s = send1.view(stages, size * rb1), recv1.view(stages, size * rb1)
     hop1 = [first.all_to_all(recv1_s[s], send1_s[s]) for s in range(stages)]
-    out, out_staging = _staged_output(output, topology, stages, slice_len)
+    out, copy_back = _staged_output(output, stages, slice_len, scratch)
 
     if not two_hops:
-        def finish(_) -> None:
+        def finish() -> None:
             _dequant_reduce_stages(hop1, recv1_s, size, rb1, first_fmt, out, slice_len, divisor)
-            _finish_output(output, out, out_staging, pool)
-            pool.give(send1, recv1)
-        return _no_middle, finish
+            _finish_output(output, out, copy_back)
+            scratch.release()
+        return [], finish
 
     rb2 = layout.row_bytes(slice_len, inter_fmt.bits, inter_fmt.block)
-    send2 = pool.take(stages * nodes * rb2, device)
-    recv2 = pool.take(stages * nodes * rb2, device)
+    send2 = scratch.take(stages * nodes * rb2)
+    recv2 = scratch.take(stages * nodes * rb2)
     send2_s, recv2_s = send2.view(stages, nodes, rb2), recv2.view(stages, nodes, rb2)
+    hop2: list = []
 
-    def middle():
-        _enter_device(device)
-        hop2 = []
+    def middle() -> None:
         for s in range(stages):
             wait(hop1[s])
             ops.dequant_reduce_quantize_(recv1_s[s].view(node_size, nodes, rb1), send2_s[s], slice_len,
                                          intra_fmt.bits, intra_fmt.block, inter_fmt.bits, inter_fmt.block,
-                                         inter_fmt.stochastic, inter_fmt.seed(topology.rank))
+                                         inter_fmt.stochastic, inter_fmt.seed(topology.rank, site + ".hop2"))
             hop2.append(groups.inter.all_to_all(recv2_s[s], send2_s[s]))
-        return hop2
 
-    def finish(hop2) -> None:
+    def finish() -> None:
         _dequant_reduce_stages(hop2, recv2_s, nodes, rb2, inter_fmt, out, slice_len, divisor)
-        _finish_output(output, out, out_staging, pool)
-        pool.give(send1, recv1, send2, recv2)
-    return middle, finish
+        _finish_output(output, out, copy_back)
+        scratch.release()
+    return [middle], finish
 
 
 def _dequant_reduce_stages(hops, received, sources: int, row_bytes: int, fmt: WireFormat, out, slice_len: int,
@@ -206,33 +190,27 @@ def _dequant_reduce_stages(hops, received, sources: int, row_bytes: int, fmt: Wi
                             fmt.bits, fmt.block, divisor)
 
 
-def _finish_output(output, out, out_staging, pool) -> None:
-    if out_staging is not None:
+def _finish_output(output, out, copy_back: bool) -> None:
+    if copy_back:
         output.view(-1).copy_(out[:output.numel()])
-        pool.give(out_staging)
 
 
 def _uncompressed(output, input, topology: Topology, intra_fmt, inter_fmt, stages: int, slice_len: int,
-                  divisor: int, tag: str):
-    groups, pool, device, dtype = topology._groups, topology.buffers, input.device, input.dtype
+                  divisor: int, scratch: Scratch, site: str):
+    groups, dtype = topology._groups, input.dtype
     size, nodes, node_size = topology.size, topology.num_nodes, topology.node_size
     elt = input.element_size()
     two_hops = nodes > 1 and node_size > 1
     first = groups.intra if node_size > 1 else groups.inter
 
-    x, in_staging = _staged_input(input, topology, stages, slice_len)
-    send1_buf = pool.take(stages * size * slice_len * elt, device)
-    recv1_buf = pool.take(stages * size * slice_len * elt, device)
-    send1 = send1_buf.view(dtype).view(stages, node_size, nodes, slice_len)
+    x = _staged_input(input, size, stages, slice_len, scratch)
+    send1 = scratch.take(stages * size * slice_len * elt).view(dtype).view(stages, node_size, nodes, slice_len)
+    recv1 = scratch.take(stages * size * slice_len * elt).view(dtype).view(stages, size, slice_len)
     # The raw form of the reorder: [node, local, stage, slice] -> [stage, local, node, slice].
     send1.copy_(x.view(nodes, node_size, stages, slice_len).permute(2, 1, 0, 3))
-    if in_staging is not None:
-        pool.give(in_staging)
-    recv1 = recv1_buf.view(dtype).view(stages, size, slice_len)
     hop1 = [first.all_to_all(recv1[s], send1[s]) for s in range(stages)]
-    out, out_staging = _staged_output(output, topology, stages, slice_len)
-    acc_buf = pool.take(max(nodes, 1) * slice_len * 4, device)
-    acc = acc_buf.view(torch.float32)
+    out, copy_back = _staged_output(output, stages, slice_len, scratch)
+    acc = scratch.take(max(nodes, 1) * slice_len * 4).view(torch.float32)
 
     def reduce_into(dst: torch.Tensor, chunks: torch.Tensor, div: int) -> None:
         a = acc[:dst.numel()].view(dst.shape)
@@ -241,37 +219,28 @@ def _uncompressed(output, input, topology: Topology, intra_fmt, inter_fmt, stage
             a.div_(div)
         dst.copy_(a)
 
+    def reduce_stages(works, received) -> None:
+        for s in range(stages):
+            wait(works[s])
+            reduce_into(out[s * slice_len:(s + 1) * slice_len], received[s], divisor)
+        _finish_output(output, out, copy_back)
+        scratch.release()
+
     if not two_hops:
-        def finish(_) -> None:
-            for s in range(stages):
-                wait(hop1[s])
-                reduce_into(out[s * slice_len:(s + 1) * slice_len], recv1[s], divisor)
-            _finish_output(output, out, out_staging, pool)
-            pool.give(send1_buf, recv1_buf, acc_buf)
-        return _no_middle, finish
+        return [], lambda: reduce_stages(hop1, recv1)
 
-    send2_buf = pool.take(stages * nodes * slice_len * elt, device)
-    recv2_buf = pool.take(stages * nodes * slice_len * elt, device)
-    send2 = send2_buf.view(dtype).view(stages, nodes, slice_len)
-    recv2 = recv2_buf.view(dtype).view(stages, nodes, slice_len)
+    send2 = scratch.take(stages * nodes * slice_len * elt).view(dtype).view(stages, nodes, slice_len)
+    recv2 = scratch.take(stages * nodes * slice_len * elt).view(dtype).view(stages, nodes, slice_len)
+    hop2: list = []
 
-    def middle():
-        _enter_device(device)
-        hop2 = []
+    def middle() -> None:
         for s in range(stages):
             wait(hop1[s])
             # Partial sums travel in the input dtype, as in any uncompressed reduce-scatter.
             reduce_into(send2[s], recv1[s].view(node_size, nodes, slice_len), 1)
             hop2.append(groups.inter.all_to_all(recv2[s], send2[s]))
-        return hop2
 
-    def finish(hop2) -> None:
-        for s in range(stages):
-            wait(hop2[s])
-            reduce_into(out[s * slice_len:(s + 1) * slice_len], recv2[s], divisor)
-        _finish_output(output, out, out_staging, pool)
-        pool.give(send1_buf, recv1_buf, send2_buf, recv2_buf, acc_buf)
-    return middle, finish
+    return [middle], lambda: reduce_stages(hop2, recv2)
 
 
 # ------------------------------------------------------------ uncompressed baselines -----

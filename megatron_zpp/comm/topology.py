@@ -22,12 +22,12 @@ rank builds its Topologies in the same order. Groups are cached per
 from __future__ import annotations
 
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from megatron_zpp.comm.execution import InFlight, blocks_host
 
 
 @dataclass
@@ -86,19 +86,13 @@ class _TopologyGroups:
     intra: _GroupInfo
     inter: _GroupInfo
     hpz: _GroupInfo
-    # One worker per group set: the middle step of qgZ (wait hop 1, reduce, start hop 2) runs here
-    # so that async callers never block; a single worker keeps the hop-2 order equal on all ranks.
-    _executor: ThreadPoolExecutor | None = field(default=None, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # Whether work.wait() blocks the host on these groups (gloo): later hops are then issued at
+    # progress points (execution.py); with NCCL everything is enqueued at the call.
+    host_blocking: bool = False
+    in_flight: InFlight = field(default_factory=InFlight, repr=False)
     buffers: BufferPool = field(default_factory=lambda: BufferPool(), repr=False)
     codecs: dict = field(default_factory=dict, repr=False)  # spec -> WireFormat
     agreed: set = field(default_factory=set, repr=False)  # settings checked across ranks
-
-    def executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zpp-comm")
-            return self._executor
 
 
 _GROUP_CACHE: dict[tuple, _TopologyGroups] = {}
@@ -110,15 +104,46 @@ def _new_group(ranks: list[int]) -> dist.ProcessGroup | None:
     return dist.new_group(ranks, use_local_synchronization=True)
 
 
-def _ranks_per_node_from_env() -> int:
+def ranks_per_node_from_env() -> int | None:
+    """Ranks per node from torchrun's ``LOCAL_WORLD_SIZE`` (or SLURM's), ``None`` when neither is set."""
     value = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE")
     if not value:
-        raise ValueError("ranks_per_node was not given and LOCAL_WORLD_SIZE is not set; pass "
-                         "Topology(..., ranks_per_node=N) with the number of ranks per node")
+        return None
     try:
         return int(value.split("(")[0])
     except ValueError:
         raise ValueError(f"cannot read ranks per node from LOCAL_WORLD_SIZE={value!r}") from None
+
+
+def _ranks_per_node_from_env() -> int:
+    value = ranks_per_node_from_env()
+    if value is None:
+        raise ValueError("ranks_per_node was not given and LOCAL_WORLD_SIZE is not set; pass "
+                         "Topology(..., ranks_per_node=N) with the number of ranks per node")
+    return value
+
+
+_LAYOUT_CACHE: dict[tuple, _GroupInfo] = {}
+
+
+def group_layout(group: dist.ProcessGroup | None, ranks_per_node: int | None = None) -> _GroupInfo:
+    """The node of each member of an existing ``group``, for byte accounting only.
+
+    Creates no process group and communicates nothing (a lookup of the group's ranks), so it
+    is safe wherever Megatron's own collectives run unchanged. ``ranks_per_node``: given, else
+    ``LOCAL_WORLD_SIZE``, else unknown, in which case every rank counts as its own node (all
+    traffic is counted as inter-node: an upper bound).
+    """
+    group = group if group is not None else dist.group.WORLD
+    members = tuple(dist.get_process_group_ranks(group))
+    if ranks_per_node is None:
+        ranks_per_node = ranks_per_node_from_env() or 1
+    key = (members, ranks_per_node)
+    info = _LAYOUT_CACHE.get(key)
+    if info is None:
+        info = _GroupInfo(None, tuple(r // ranks_per_node for r in members), members.index(dist.get_rank()))
+        _LAYOUT_CACHE[key] = info
+    return info
 
 
 class Topology:
@@ -199,8 +224,9 @@ class Topology:
             g = _new_group([self.members[i] for i in indices])
             return _GroupInfo(g, tuple(node_of[i] for i in indices), indices.index(self.rank))
 
-        groups = _TopologyGroups(flat=info(list(range(self.size))), intra=info(intra_idx),
-                                 inter=info(inter_idx), hpz=info(hpz_idx))
+        flat = info(list(range(self.size)))
+        groups = _TopologyGroups(flat=flat, intra=info(intra_idx), inter=info(inter_idx), hpz=info(hpz_idx),
+                                 host_blocking=blocks_host(flat.group))
         _GROUP_CACHE[key] = groups
         return groups
 
@@ -235,33 +261,77 @@ class Topology:
                 f"rank={self.rank}/{self.size}, members={list(self.members)})")
 
 
-class BufferPool:
-    """Reusable uint8 scratch buffers, keyed by exact size and device.
+DEFAULT_POOL_CACHE_BYTES = int(os.environ.get("ZPP_POOL_CACHE_MB", "2048")) << 20
 
-    A collective takes its scratch buffers at the call and gives them back when its
-    handle is waited on, so several calls may be in flight (Megatron issues every
-    bucket before waiting on any) and steady-state training, whose buckets repeat
-    sizes every iteration, allocates nothing on the comm path.
+
+class BufferPool:
+    """Reusable uint8 scratch buffers, keyed by exact size, device and stream, with a bounded cache.
+
+    A collective takes its scratch buffers through a :class:`Scratch` lease at the call and gives
+    them back when its work is done (enqueued, on CUDA), so several calls may be in flight
+    (Megatron issues every bucket before waiting on any) and steady-state training, whose buckets
+    repeat sizes every iteration, allocates nothing on the comm path. A buffer is only ever used
+    on the stream it is keyed by (see ``execution.py``), so reuse is ordered by that stream.
+    At most ``max_cached_bytes`` of free buffers are kept (``ZPP_POOL_CACHE_MB``, default 2048);
+    beyond that, returned buffers are freed. ``release()`` frees every cached buffer.
     """
 
-    def __init__(self) -> None:
-        self._free: dict[tuple[int, torch.device], list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
+    def __init__(self, max_cached_bytes: int = DEFAULT_POOL_CACHE_BYTES) -> None:
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self.max_cached_bytes = max_cached_bytes
+        self.cached_bytes = 0  # free buffers held now
         self.allocated_bytes = 0  # ever allocated; flat in steady state
 
-    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        with self._lock:
-            free = self._free.get((nbytes, device))
-            if free:
-                return free.pop()
-            self.allocated_bytes += nbytes
+    @staticmethod
+    def _key(nbytes: int, device: torch.device, stream) -> tuple:
+        return nbytes, device, None if stream is None else stream.cuda_stream
+
+    def take(self, nbytes: int, device: torch.device, stream=None) -> torch.Tensor:
+        free = self._free.get(self._key(nbytes, device, stream))
+        if free:
+            self.cached_bytes -= nbytes
+            return free.pop()
+        self.allocated_bytes += nbytes
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
-    def give(self, *buffers: torch.Tensor) -> None:
-        with self._lock:
-            for b in buffers:
-                self._free.setdefault((b.numel(), b.device), []).append(b)
+    def give(self, buffer: torch.Tensor, stream=None) -> None:
+        nbytes = buffer.numel()
+        if self.cached_bytes + nbytes > self.max_cached_bytes:
+            return  # dropped: the allocator gets it back
+        self._free.setdefault(self._key(nbytes, buffer.device, stream), []).append(buffer)
+        self.cached_bytes += nbytes
 
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
+    def release(self) -> None:
+        """Free every cached buffer (e.g. before evaluation or a checkpoint, or to cap memory)."""
+        self._free.clear()
+        self.cached_bytes = 0
+
+    clear = release
+
+    def lease(self, device: torch.device, stream=None) -> Scratch:
+        return Scratch(self, device, stream)
+
+
+class Scratch:
+    """The scratch buffers of one call, all on one device and stream; ``release()`` gives them back."""
+
+    __slots__ = ("_pool", "_device", "_stream", "_taken")
+
+    def __init__(self, pool: BufferPool, device: torch.device, stream) -> None:
+        self._pool, self._device, self._stream, self._taken = pool, device, stream, []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        buf = self._pool.take(nbytes, self._device, self._stream)
+        self._taken.append(buf)
+        return buf
+
+    def release(self) -> None:
+        for buf in self._taken:
+            self._pool.give(buf, self._stream)
+        self._taken = []
+
+
+def release_buffers() -> None:
+    """Free the cached scratch buffers of every topology."""
+    for groups in _GROUP_CACHE.values():
+        groups.buffers.release()

@@ -6,6 +6,10 @@ For users of Megatron-LM's own ``pretrain_gpt.py``::
     args = parse_and_validate_args(extra_args_provider=zpp_extra_args_provider)
     install_from_args(args)   # before pretrain() builds DDP and the optimizer
 
+``install_from_args`` also applies the ``--zpp-dp-grad-until`` schedule: before every gradient
+reduction it reads ``args.curr_iteration`` (set by Megatron-LM's training loop on the global args
+object that ``parse_and_validate_args`` returned) and ``args.train_iters``.
+
 The CPU shim (``cpu_shim.py``) is only for machines without a GPU.
 """
 
@@ -19,10 +23,22 @@ def zpp_extra_args_provider(parser):
 
 
 def install_from_args(args) -> MegatronHooks:
-    """Resolve the policy from parsed ``--zpp-*`` args, check it across ranks, install the hooks."""
+    """Resolve the policy from parsed ``--zpp-*`` args, check it across ranks, install the hooks.
+
+    The dp.grad schedule follows Megatron-LM's own iteration counter: ``args.curr_iteration``
+    out of ``args.train_iters`` (both set by ``megatron.training`` before each step).
+    """
     policy = resolve_policy(zpp_config_from_args(args))
     check_policy_agreement(policy)
-    return MegatronHooks(policy, ranks_per_node=args.zpp_ranks_per_node).install()
+    if policy.dp_grad_until < 1.0 and not getattr(args, "train_iters", None):
+        raise ValueError(f"--zpp-dp-grad-until {policy.dp_grad_until} needs args.train_iters (Megatron-LM sets it "
+                         f"from --train-iters or --train-samples); it is {getattr(args, 'train_iters', None)!r}")
+
+    def megatron_lm_iteration() -> tuple[int, int]:
+        return getattr(args, "curr_iteration", 0) or 0, args.train_iters
+
+    return MegatronHooks(policy, ranks_per_node=args.zpp_ranks_per_node,
+                         iteration_source=megatron_lm_iteration).install()
 
 
 __all__ = ["MegatronHooks", "install_from_args", "zpp_extra_args_provider"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -40,10 +41,15 @@ class MegatronHooks:
             ``model_parallel.ModelParallelHooks``).
         ranks_per_node: for the topology of each data-parallel group (default: the policy's, then
             ``LOCAL_WORLD_SIZE``).
+        iteration_source: returns ``(iteration, train_iters)`` when called; the dp.grad schedule
+            (``dp_grad_until``) is applied from it before every gradient reduction. Without it
+            the training loop calls :meth:`set_iteration` itself (``pretrain_gpt.py`` does).
     """
 
-    def __init__(self, policy: Policy, ranks_per_node: int | None = None) -> None:
+    def __init__(self, policy: Policy, ranks_per_node: int | None = None,
+                 iteration_source: Callable[[], tuple[int, int]] | None = None) -> None:
         self.policy = policy
+        self.iteration_source = iteration_source
         self.ranks_per_node = ranks_per_node or policy.ranks_per_node
         self.grad_codec = policy.codec("dp.grad")
         self._topologies: dict[tuple, Topology] = {}
@@ -57,6 +63,10 @@ class MegatronHooks:
         """Apply the dp.grad schedule: compress for the first ``dp_grad_until`` of the iterations."""
         compress = iteration < self.policy.dp_grad_until * train_iters
         self.grad_codec = self.policy.codec("dp.grad") if compress else "none"
+
+    def _apply_schedule(self) -> None:
+        if self.iteration_source is not None and self.policy.dp_grad_until < 1.0:
+            self.set_iteration(*self.iteration_source())
 
     # ------------------------------------------------------------------ topology
     def topology(self, group, hpz: bool = False) -> Topology:
@@ -100,34 +110,29 @@ class MegatronHooks:
             return self
         cls = pgb._ParamAndGradBucketGroup
         hooks = self
-        originals = {name: getattr(cls, name) for name in
-                     ("start_grad_sync", "finish_grad_sync", "start_param_sync", "finish_param_sync")}
+        originals = {name: getattr(cls, name) for name in ("start_grad_sync", "start_param_sync")}
         self._saved = dict(originals)
 
         def start_grad_sync(bucket_group, force_all_reduce=False):
             hooks._check_supported(bucket_group)
-            with hooks._route_grad_collectives(pgb, bucket_group):
-                return originals["start_grad_sync"](bucket_group, force_all_reduce)
-
-        def finish_grad_sync(bucket_group, force_all_reduce=False):
-            result = originals["finish_grad_sync"](bucket_group, force_all_reduce)
-            _wait_all(bucket_group, "_zpp_grad_handles")
+            hooks._apply_schedule()
+            with hooks._route_grad_collectives(pgb, bucket_group) as ours:
+                result = originals["start_grad_sync"](bucket_group, force_all_reduce)
+            # Megatron waits grad_reduce_handle in finish_grad_sync before it reads the bucket
+            # (and, in 0.19, before _copy_back_extra_main_grads): ours join it there.
+            bucket_group.grad_reduce_handle = _chain(bucket_group.grad_reduce_handle, ours)
             return result
 
         def start_param_sync(bucket_group, force_sync=False):
-            if force_sync:
-                _wait_all(bucket_group, "_zpp_param_handles")
-            with hooks._route_param_gather(pgb, bucket_group):
-                return originals["start_param_sync"](bucket_group, force_sync)
-
-        def finish_param_sync(bucket_group, *args, **kwargs):
-            _wait_all(bucket_group, "_zpp_param_handles")
-            return originals["finish_param_sync"](bucket_group, *args, **kwargs)
+            with hooks._route_param_gather(pgb, bucket_group) as ours:
+                result = originals["start_param_sync"](bucket_group, force_sync)
+            # finish_param_sync (and a forced sync) wait param_gather_handle before the forward
+            # that needs the weights, including a gather that finish_param_sync itself dispatches.
+            bucket_group.param_gather_handle = _chain(bucket_group.param_gather_handle, ours)
+            return result
 
         cls.start_grad_sync = start_grad_sync
-        cls.finish_grad_sync = finish_grad_sync
         cls.start_param_sync = start_param_sync
-        cls.finish_param_sync = finish_param_sync
         self._install_fsdp()
         from megatron_zpp.megatron.model_parallel import ModelParallelHooks
 
@@ -167,6 +172,7 @@ class MegatronHooks:
             return originals["wait_bucket_ready"](pipeline, bucket_id, bwd, *args, **kwargs)
 
         def bucket_group_gradient_reduce(pipeline, bucket_group, *args, **kwargs):
+            hooks._apply_schedule()
             buffers = [pipeline.get_fsdp_buffer(b) for b in bucket_group]
             with hooks._route_fsdp_reduce(buffers):
                 return originals["_bucket_group_gradient_reduce"](pipeline, bucket_group, *args, **kwargs)
@@ -190,17 +196,17 @@ class MegatronHooks:
         def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
             if hooks._is_private(group):  # our own collectives' inner calls
                 return original(output_tensor, input_tensor, group=group, async_op=async_op)
-            topo = hooks.topology(group, hpz=hooks.hpz_enabled)
             tag = PARAM_BWD_TAG if bwd else PARAM_TAG
+            if codec == "none" and not hooks.hpz_enabled:
+                hooks._record_torch(tag, "all_gather", group, input_tensor.numel() * input_tensor.element_size())
+                return original(output_tensor, input_tensor, group=group, async_op=async_op)
+            topo = hooks.topology(group, hpz=hooks.hpz_enabled)
             shard = hooks._hpz_shard(pipeline, bucket_id, input_tensor, topo, codec) if hooks.hpz_enabled else None
             key = (id(pipeline), pipeline.get_bucket_key(bucket_id, bwd))
             if bwd and shard is not None and shard.valid:
                 handle = hpz_all_gather(output_tensor, shard, topo, async_op=True, tag=tag)
                 hooks._pending_gathers[key] = handle
                 return handle
-            if codec == "none" and shard is None:
-                record_torch_collective(tag, "all_gather", topo, input_tensor.numel() * input_tensor.element_size())
-                return original(output_tensor, input_tensor, group=group, async_op=async_op)
             # Forward (or a backward gather with no fresh secondary copy): the full qwZ gather,
             # which also refreshes this bucket's hpZ rows.
             wbuf = pipeline.get_fsdp_buffer(bucket_id, bwd)
@@ -231,13 +237,16 @@ class MegatronHooks:
             gbuf = pending_buffers.pop(0) if pending_buffers else None
             if hooks.grad_codec != "none" and gbuf is not None and gbuf.bucket_index.size == input.numel():
                 _zero_padding(input, gbuf, 0)
-            # Synchronous: Megatron-FSDP accumulates the shard right after its coalescing block.
-            return hooks._reduce_scatter_grads(original_rs, output, input, op, group, async_op=False)[0]
+            # Compressed: synchronous, as Megatron-FSDP accumulates the shard right after its
+            # coalescing block. none: Megatron's call exactly as it was made.
+            sync = async_op if hooks.grad_codec == "none" else False
+            return hooks._reduce_scatter_grads(original_rs, output, input, op, group, async_op=sync)[0]
 
         def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
             if hooks._is_private(group):
                 return original_ar(tensor, op=op, group=group, async_op=async_op)
-            return hooks._all_reduce_grads(original_ar, tensor, op, group, async_op=False)[0]
+            sync = async_op if hooks.grad_codec == "none" else False
+            return hooks._all_reduce_grads(original_ar, tensor, op, group, async_op=sync)[0]
 
         dist.reduce_scatter_tensor, dist.all_reduce = reduce_scatter_tensor, all_reduce
         try:
@@ -247,24 +256,26 @@ class MegatronHooks:
 
     def _reduce_scatter_grads(self, original, output, input, op, group, async_op):
         """``(result, handle)``: Megatron's own reduce-scatter, recorded, for ``none``; else qgZ."""
-        topo = self.topology(group)
         if self.grad_codec == "none":
-            record_torch_collective(GRAD_TAG, "reduce_scatter", topo, output.numel() * output.element_size())
+            self._record_torch(GRAD_TAG, "reduce_scatter", group, output.numel() * output.element_size())
             return original(output, input, op=op, group=group, async_op=async_op), None
-        return None, qgz_reduce_scatter(output, input, topo, codec=self.grad_codec, op=_op_name(op),
+        return None, qgz_reduce_scatter(output, input, self.topology(group), codec=self.grad_codec, op=_op_name(op),
                                         async_op=async_op, tag=GRAD_TAG, intra_codec=self.policy.dp_grad_intra,
                                         stages=self.policy.qgz_stages)
 
     def _all_reduce_grads(self, original, tensor, op, group, async_op):
         """``(result, handle)``: Megatron's own all-reduce, recorded, for ``none``; else the compressed one."""
-        topo = self.topology(group)
         if self.grad_codec == "none":
-            record_torch_collective(GRAD_TAG, "all_reduce", topo,
-                                    tensor.numel() * tensor.element_size() // max(topo.size, 1))
+            size = dist.get_world_size(group)
+            self._record_torch(GRAD_TAG, "all_reduce", group, tensor.numel() * tensor.element_size() // size)
             return original(tensor, op=op, group=group, async_op=async_op), None
-        return None, compressed_all_reduce(tensor, topo, codec=self.grad_codec, op=_op_name(op), async_op=async_op,
+        return None, compressed_all_reduce(tensor, self.topology(group), codec=self.grad_codec, op=_op_name(op), async_op=async_op,
                                            tag=GRAD_TAG, intra_codec=self.policy.dp_grad_intra,
                                            stages=self.policy.qgz_stages)
+
+    def _record_torch(self, tag: str, kind: str, group, chunk_bytes: int) -> None:
+        """Bytes of one of Megatron's own collectives, from sizes only: no topology, no process group."""
+        record_torch_collective(tag, kind, group, chunk_bytes, self.ranks_per_node)
 
     def _is_private(self, group) -> bool:
         """Whether ``group`` is one of our topologies' own groups (never routed again)."""
@@ -306,16 +317,18 @@ class MegatronHooks:
 
     @contextlib.contextmanager
     def _route_grad_collectives(self, pgb, bucket_group):
+        """While Megatron's start_grad_sync runs: its bucket reduce-scatters / all-reduces go to ours.
+        Yields the list our async handles are appended to."""
         hooks = self
         original_rs = pgb.dist_reduce_scatter_func
         original_ar = dist.all_reduce
         grad_buffers = {id(b.grad_data) for b in bucket_group.buckets}
-        handles = bucket_group.__dict__.setdefault("_zpp_grad_handles", [])
+        handles: list = []
 
         def keep(result_and_handle):
             result, handle = result_and_handle
             if handle is not None:
-                handles.append(handle)  # waited in finish_grad_sync
+                handles.append(handle)
             return result  # ours: None, nothing for Megatron's _coalescing_manager to track
 
         def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
@@ -329,33 +342,67 @@ class MegatronHooks:
         pgb.dist_reduce_scatter_func = reduce_scatter
         dist.all_reduce = all_reduce
         try:
-            yield
+            yield handles
         finally:
             pgb.dist_reduce_scatter_func = original_rs
             dist.all_reduce = original_ar
 
     @contextlib.contextmanager
     def _route_param_gather(self, pgb, bucket_group):
+        """While Megatron's start_param_sync runs: its bucket all-gathers go to qwZ (or are only
+        recorded with ``none``). Yields the list our async handles are appended to."""
         hooks = self
         original_ag = pgb.dist_all_gather_func
         codec = self.policy.codec("dp.param")
-        handles = bucket_group.__dict__.setdefault("_zpp_param_handles", [])
+        handles: list = []
 
         def all_gather(output, input, group=None, async_op=False):
-            topo = hooks.topology(group)
             if codec == "none":
-                record_torch_collective(PARAM_TAG, "all_gather", topo, input.numel() * input.element_size())
+                hooks._record_torch(PARAM_TAG, "all_gather", group, input.numel() * input.element_size())
                 return original_ag(output, input, group=group, async_op=async_op)
-            handle = quantized_all_gather(output, input, topo, codec=codec, async_op=async_op, tag=PARAM_TAG)
+            handle = quantized_all_gather(output, input, hooks.topology(group), codec=codec, async_op=async_op,
+                                          tag=PARAM_TAG)
             if handle is not None:
                 handles.append(handle)
             return None
 
         pgb.dist_all_gather_func = all_gather
         try:
-            yield
+            yield handles
         finally:
             pgb.dist_all_gather_func = original_ag
+
+
+class _ChainedHandle:
+    """Megatron's handle of a bucket group's collectives (its coalescing manager), then ours.
+
+    Stored where Megatron keeps its own handle, so Megatron waits ours exactly where it waits its
+    collectives: before any code reads the gathered weights or the reduced gradients."""
+
+    def __init__(self, megatron_handle, ours: list) -> None:
+        self._megatron, self._ours = megatron_handle, list(ours)
+
+    def wait(self) -> bool:
+        if self._megatron is not None:
+            self._megatron.wait()
+            self._megatron = None
+        while self._ours:
+            self._ours.pop(0).wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._megatron is None and not self._ours
+
+
+def _chain(megatron_handle, ours: list):
+    if not ours:
+        return megatron_handle
+    if megatron_handle is None:
+        # Megatron issued synchronously (it keeps no handle): so must we be finished now.
+        for h in ours:
+            h.wait()
+        return None
+    return _ChainedHandle(megatron_handle, ours)
 
 
 _PADDING_CACHE: dict[int, list[tuple[int, int]]] = {}
@@ -393,12 +440,6 @@ def _zero_padding(tensor: torch.Tensor, buf, offset: int) -> None:
         lo, hi = max(start, offset), min(stop, end)
         if lo < hi:
             flat[lo - offset:hi - offset].zero_()
-
-
-def _wait_all(bucket_group, attr: str) -> None:
-    handles = bucket_group.__dict__.get(attr)
-    while handles:
-        handles.pop(0).wait()
 
 
 def _op_name(op) -> str:

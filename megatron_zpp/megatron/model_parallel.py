@@ -70,7 +70,7 @@ class ModelParallelHooks:
             for key, t, peer in (("send_prev", tensor_send_prev, prev_pipeline_rank),
                                  ("send_next", tensor_send_next, next_pipeline_rank)):
                 if t is not None:
-                    sends[key] = codec.encode(t)
+                    sends[key] = codec.encode(t, site=f"{PP_TAG}.{key}", rank=me)
                     record_p2p(PP_TAG, peer, me, rpn, sends[key].numel(), t.numel() * t.element_size())
             recvs = {key: codec.empty_payload(t) for key, t in (("recv_prev", tensor_recv_prev),
                                                                   ("recv_next", tensor_recv_next)) if t is not None}

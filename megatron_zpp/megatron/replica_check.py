@@ -38,7 +38,8 @@ class ReplicaCheckResult:
 def _digest(params: list[torch.Tensor]) -> str:
     h = hashlib.sha1()
     for p in params:
-        raw = p.detach().contiguous().view(-1).view(torch.uint8).cpu()
+        # A copy: exporting a Megatron-FSDP bucket itself to numpy would pin its (resizable) storage.
+        raw = p.detach().reshape(-1).view(torch.uint8).to("cpu", copy=True)
         h.update(str(tuple(p.shape)).encode())
         h.update(raw.numpy().tobytes())
     return h.hexdigest()[:16]
