@@ -3,17 +3,20 @@
 For each world layout (nodes x ranks per node, simulated on this box with gloo
 processes) and model size M (elements of the flat buffer being gathered / reduced),
 every collective runs ``--repeats`` times after a warm-up; the time is the median
-over repeats of the slowest rank. Bytes come from ``comm_stats`` (what each rank
-sends, by the algorithm that runs), summed over ranks; "x M" is the cross-node bytes
-*per node* in units of the model's bytes, the unit of the ZeRO++ paper's Table 1.
+over repeats of the slowest rank (measured). Bytes come from ``comm_stats``: each call
+accounts what each rank sends from its payload sizes and the algorithm's send pattern
+(analytic: computed per call, not counted on the wire), summed over ranks; "x M" is the
+cross-node bytes *per node* in units of the model's bytes, the unit of the ZeRO++ paper's
+Table 1. The "formula" column is the closed-form payload + scales expression, a check on
+the per-call accounting.
 
   all-gather    torch all_gather_into_tensor (codec none) | qwZ int8:block=256
   backward AG   ZeRO-3 gathers again over the world       | hpZ: from the secondary copy, in the node
   reduce-scat.  gloo reduce_scatter_tensor (an all-reduce) | ring RS over send/recv (NCCL's algorithm)
                 | hierarchical 2-hop RS, uncompressed      | qgZ int4:block=128 (+ INT8 intra, 2 stages)
 
-Then Table 1, measured: cross-node volume of ZeRO-3 and ZeRO++ per iteration in units
-of M, next to the analytic payload+scales formula. Times on one box measure CPU work
+Then Table 1 (analytic, from the per-call accounting): cross-node volume of ZeRO-3 and
+ZeRO++ per iteration in units of M. Times on one box measure CPU work
 (quantization, reduction, memcpy), not a network: use the netemu recipe for links.
 
     python tools/bench_collectives.py [--layouts 2x4,4x2] [--sizes 1M,8M] [--dtype bf16] [--json out.json]
@@ -145,12 +148,13 @@ def main() -> None:
     p.add_argument("--sizes", default="1M,8M", help="model sizes M in elements (K/M/G suffixes)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--json", help="also write the measurements here")
+    p.add_argument("--json", help="also write the results (measured times, analytic bytes) here")
     args = p.parse_args()
     elem = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
     report = []
     print(f"# bench_collectives: gloo on one box, dtype {args.dtype}, median of {args.repeats} "
-          f"(slowest rank); bytes summed over ranks; 'x M' = cross-node bytes per node / model bytes")
+          f"(slowest rank), measured; bytes: analytic per-call accounting summed over ranks; "
+          f"'x M' = cross-node bytes per node / model bytes")
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads in this process; qwZ/qgZ bound "
           f"codecs: {get_codec(QWZ).spec}, {get_codec(QGZ).spec}")
     for layout_s in args.layouts.split(","):
@@ -169,8 +173,8 @@ def main() -> None:
             print(f"\n## layout {nodes}x{per_node}, M = {model_numel / 2**20:.2f}M elements "
                   f"({model_bytes / 2**20:.1f} MiB {args.dtype}); time ratio vs the first uncompressed row "
                   "of its role (ring RS for grad RS)")
-            print("| role | collective | ms | x base time | intra MiB | inter MiB | inter x M per node "
-                  "| analytic x M | inter vs best uncompressed |")
+            print("| role | collective | ms (measured) | x base time | intra MiB | inter MiB | inter x M per node "
+                  "(accounted) | formula x M | inter vs best uncompressed |")
             print("|---|---|---|---|---|---|---|---|---|")
             best = {}
             for name, (role, _) in OPS.items():
@@ -191,7 +195,8 @@ def main() -> None:
                       f"{analytic:.4f} | {vs_best:.4f} |")
             t1 = {k: res[(model_numel, k)]["inter_bytes"] / nodes / model_bytes
                   for k in ("ag_none", "ag_qwz", "bwd_ag_none", "bwd_hpz", "rs_ring", "rs_hier", "rs_qgz")}
-            print(f"\nTable 1 (measured cross-node volume per node, units of M = {model_bytes / 2**20:.1f} MiB; "
+            print(f"\nTable 1 (analytic cross-node volume per node from the per-call byte accounting, units of "
+                  f"M = {model_bytes / 2**20:.1f} MiB; "
                   f"paper: ZeRO-3 M, M, M = 3M; ZeRO++ 0.5M, 0, 0.25M = 0.75M)")
             print("| | forward all-gather | backward all-gather | gradient reduce-scatter | total |")
             print("|---|---|---|---|---|")

@@ -159,7 +159,7 @@ class IterationLogger:
                      + "".join(f"\n>   {m}" for m in r["first_mismatches"][:5]))
         for tag in sorted(stats):
             s = stats[tag]
-            self.log(f"> summary: {tag}: {s.calls} calls, inter-node {s.inter_bytes / MB:.2f} MB vs "
+            self.log(f"> summary: {tag} (analytic bytes): {s.calls} calls, inter-node {s.inter_bytes / MB:.2f} MB vs "
                      f"{s.uncompressed_inter_bytes / MB:.2f} MB uncompressed (x{s.inter_ratio:.4f}), intra-node "
                      f"{s.intra_bytes / MB:.2f} MB vs {s.uncompressed_intra_bytes / MB:.2f} MB")
         if inter_base:
