@@ -134,7 +134,55 @@ def replica_consistency(parallel: list[str], policies: list[str], iterations: in
     base = SMALL + parallel + ["--train-iters", str(iterations), "--zpp-ranks-per-node", "2",
                                "--check-replica-weights", "--eval-iters", "0"]
     out = {}
-    for name in policies:
-        run = pretrain(base + POLICIES[name], log=_quiet)
+    for name in ["absent"] + policies:
+        run = pretrain(base + POLICIES.get(name, []), log=_quiet, plugin=name != "absent")
         out[name] = run["replica_check"] | {"finite": run["finite"], "losses": run["losses"]}
     return out
+
+
+def none_is_megatron(parallel: list[str], iterations: int) -> dict:
+    """Megatron without the plugin vs the ``none`` policy, with no ranks-per-node anywhere (no
+    --zpp-ranks-per-node, LOCAL_WORLD_SIZE unset): losses and the process groups each run creates."""
+    import torch.distributed as torch_dist
+
+    base = SMALL + parallel + ["--train-iters", str(iterations), "--eval-iters", "0"]
+    created: list = []
+    original = torch_dist.new_group
+
+    def counting(*args, **kwargs):
+        created.append(1)
+        return original(*args, **kwargs)
+
+    out = {}
+    torch_dist.new_group = counting
+    try:
+        for name, argv, plugin in (("absent", base, False), ("none", base + ["--zpp-policy", "none"], True)):
+            created.clear()
+            run = pretrain(argv, log=_quiet, plugin=plugin)
+            out[name] = {"losses": run["losses"], "groups_created": len(created),
+                         "grad_bytes": run["traffic"].get("dp.grad", {}).get("inter_bytes", 0)}
+    finally:
+        torch_dist.new_group = original
+    return out
+
+
+def schedule_through_curr_iteration(iterations: int) -> list[str]:
+    """The codec of every gradient reduction when ``--zpp-dp-grad-until 0.5`` is applied by the hooks
+    from ``args.curr_iteration`` (the Megatron-LM plugin path; pretrain_gpt.py uses the same one)."""
+    import megatron_zpp.megatron.hooks as hooks_module
+
+    seen: list[str] = []
+    original = hooks_module.MegatronHooks._reduce_scatter_grads
+
+    def spy(self, *args, **kwargs):
+        seen.append(self.grad_codec)
+        return original(self, *args, **kwargs)
+
+    hooks_module.MegatronHooks._reduce_scatter_grads = spy
+    try:
+        pretrain(SMALL + ["--use-distributed-optimizer", "--train-iters", str(iterations), "--eval-iters", "0",
+                          "--zpp-policy", "zeropp", "--zpp-dp-grad-until", "0.5", "--zpp-ranks-per-node", "1"],
+                 log=_quiet)
+    finally:
+        hooks_module.MegatronHooks._reduce_scatter_grads = original
+    return seen

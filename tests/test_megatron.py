@@ -116,6 +116,26 @@ def test_save_and_load_resume_bit_exactly(tmp_path):
     assert straight == resumed and len(resumed) == 2, (straight, resumed)
 
 
+@pytest.mark.parametrize("layout", ["distopt-overlap-both", "fsdp-hpz"] + [
+    pytest.param(name, marks=pytest.mark.slow) for name in ("plain-dp-overlap-grad", "tp2xdp2-sp", "pp2xdp2-interleaved")])
+def test_none_is_megatron_without_ranks_per_node(layout):
+    """``none`` installs nothing that can fail: with LOCAL_WORLD_SIZE unset and no --zpp-ranks-per-node
+    it trains bit-identically to no plugin and creates exactly the process groups Megatron creates.
+    (The replica test below also runs none in every layout, bit-identity included.)"""
+    results = run_distributed(checks.none_is_megatron, 4, REPLICA_LAYOUTS[layout], 3, timeout_s=600,
+                              node_env=False)
+    for r in results:
+        assert r["none"]["losses"] == r["absent"]["losses"], (layout, r)
+        assert r["none"]["groups_created"] == r["absent"]["groups_created"], (layout, r)
+    print(f"\n{layout}: none == absent {results[0]['none']['losses']}; process groups created "
+          f"{results[0]['none']['groups_created']} (absent {results[0]['absent']['groups_created']})")
+
+
+def test_schedule_applies_through_megatron_lm_iteration_counter():
+    seen = run_distributed(checks.schedule_through_curr_iteration, 2, 4, ranks_per_node=1)[0]
+    assert [c.startswith("int4:block=128") for c in seen] == [True, True, False, False] and seen[2:] == ["none"] * 2, seen
+
+
 def test_dp_grad_schedule_switches_to_uncompressed():
     from megatron_zpp.megatron.hooks import MegatronHooks
     hooks = MegatronHooks(resolve_policy(ZppConfig(policy="zeropp", dp_grad_until=0.25)))
@@ -214,7 +234,8 @@ REPLICA_LAYOUTS = {
 def test_replicas_compute_with_identical_weights_at_every_use(layout):
     """Every module's forward and backward, every iteration, sees the same weights on every
     data-parallel replica: digests taken at the point of use (after Megatron's hooks), not after a
-    final sync, under none, zeropp and an INT8 dp.param."""
+    final sync, with Megatron alone and under none, zeropp and an INT8 dp.param; none is bit-identical
+    to Megatron alone."""
     policies = ["none", "zeropp", "int8-param"]
     results = run_distributed(checks.replica_consistency, 4, REPLICA_LAYOUTS[layout], policies, 4,
                               ranks_per_node=2, timeout_s=600)
@@ -224,3 +245,4 @@ def test_replicas_compute_with_identical_weights_at_every_use(layout):
                   f"mismatches {r['first_mismatches'][:3]}")
             assert r["finite"], (layout, policy)
             assert r["uses_compared"] > 0 and r["mismatches"] == 0, (layout, rank, policy, r["first_mismatches"])
+        assert by_policy["none"]["losses"] == by_policy["absent"]["losses"], (layout, by_policy)

@@ -22,11 +22,12 @@ def zpp_extra_args_provider(parser):
     return add_zpp_args(parser)
 
 
-def install_from_args(args) -> MegatronHooks:
-    """Resolve the policy from parsed ``--zpp-*`` args, check it across ranks, install the hooks.
+def hooks_from_args(args) -> MegatronHooks:
+    """Resolve the policy from parsed ``--zpp-*`` args and check it across ranks; the hooks, not installed.
 
     The dp.grad schedule follows Megatron-LM's own iteration counter: ``args.curr_iteration``
-    out of ``args.train_iters`` (both set by ``megatron.training`` before each step).
+    out of ``args.train_iters`` (both set by ``megatron.training`` before each step), read before
+    every gradient reduction.
     """
     policy = resolve_policy(zpp_config_from_args(args))
     check_policy_agreement(policy)
@@ -37,8 +38,12 @@ def install_from_args(args) -> MegatronHooks:
     def megatron_lm_iteration() -> tuple[int, int]:
         return getattr(args, "curr_iteration", 0) or 0, args.train_iters
 
-    return MegatronHooks(policy, ranks_per_node=args.zpp_ranks_per_node,
-                         iteration_source=megatron_lm_iteration).install()
+    return MegatronHooks(policy, ranks_per_node=args.zpp_ranks_per_node, iteration_source=megatron_lm_iteration)
 
 
-__all__ = ["MegatronHooks", "install_from_args", "zpp_extra_args_provider"]
+def install_from_args(args) -> MegatronHooks:
+    """:func:`hooks_from_args`, installed: call after ``parse_and_validate_args``, before ``pretrain()``."""
+    return hooks_from_args(args).install()
+
+
+__all__ = ["MegatronHooks", "hooks_from_args", "install_from_args", "zpp_extra_args_provider"]

@@ -19,9 +19,13 @@ import torch.multiprocessing as mp
 
 
 def _entry(rank: int, fn: Callable, world_size: int, ranks_per_node: int, workdir: str, timeout_s: float,
-           args: tuple, kwargs: dict) -> None:
-    os.environ.update(LOCAL_WORLD_SIZE=str(ranks_per_node), LOCAL_RANK=str(rank % ranks_per_node),
-                      RANK=str(rank), WORLD_SIZE=str(world_size))
+           node_env: bool, args: tuple, kwargs: dict) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+    if node_env:
+        os.environ.update(LOCAL_WORLD_SIZE=str(ranks_per_node), LOCAL_RANK=str(rank % ranks_per_node))
+    else:  # as under a launcher that says nothing about nodes
+        for name in ("LOCAL_WORLD_SIZE", "LOCAL_RANK", "SLURM_NTASKS_PER_NODE"):
+            os.environ.pop(name, None)
     torch.set_num_threads(1)  # several processes share few cores
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
@@ -34,16 +38,17 @@ def _entry(rank: int, fn: Callable, world_size: int, ranks_per_node: int, workdi
 
 
 def run_distributed(fn: Callable, world_size: int, *args, ranks_per_node: int | None = None,
-                    timeout_s: float = 120.0, **kwargs) -> list[Any]:
+                    timeout_s: float = 120.0, node_env: bool = True, **kwargs) -> list[Any]:
     """Call ``fn(*args, **kwargs)`` on every rank of a fresh gloo world; return the results by rank.
 
     ``fn`` must be importable by name (a module-level function), as processes are spawned.
+    ``node_env=False`` leaves ``LOCAL_WORLD_SIZE`` / ``LOCAL_RANK`` unset.
     """
     ranks_per_node = ranks_per_node or world_size
     if world_size % ranks_per_node:
         raise ValueError(f"world_size={world_size} is not a multiple of ranks_per_node={ranks_per_node}")
     with tempfile.TemporaryDirectory(prefix="zpp-dist-") as workdir:
-        mp.spawn(_entry, args=(fn, world_size, ranks_per_node, workdir, timeout_s, args, kwargs),
+        mp.spawn(_entry, args=(fn, world_size, ranks_per_node, workdir, timeout_s, node_env, args, kwargs),
                  nprocs=world_size, join=True)
         results = []
         for r in range(world_size):

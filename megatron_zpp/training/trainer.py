@@ -23,7 +23,6 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megatron_zpp.policy import check_policy_agreement, resolve_policy, zpp_config_from_args
 from megatron_zpp.training.arguments import build_parser, validate_args
 from megatron_zpp.training.data import VOCAB_SIZE, TokenWindows, builtin_corpus_prefix, micro_batches
 from megatron_zpp.training.log import IterationLogger
@@ -118,15 +117,16 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_zpp.megatron.hooks import MegatronHooks
+    from megatron_zpp.megatron import hooks_from_args
 
     args = build_parser().parse_args(argv)
     device = _init_distributed(args)
     world, rank = dist.get_world_size(), dist.get_rank()
     args = validate_args(args, world)
-    policy = resolve_policy(zpp_config_from_args(args))
-    check_policy_agreement(policy)
-    hooks = MegatronHooks(policy, ranks_per_node=args.zpp_ranks_per_node)
+    # The same path as Megatron-LM's script (install_from_args): the dp.grad schedule reads
+    # args.curr_iteration, which the loop below sets as Megatron-LM's does.
+    hooks = hooks_from_args(args)
+    policy = hooks.policy
     if plugin:
         hooks.install()
 
@@ -211,7 +211,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
 
         losses = []
         for iteration in range(start_iteration, args.train_iters):
-            hooks.set_iteration(iteration, args.train_iters)
+            args.curr_iteration = iteration
             t0 = time.perf_counter()
             for m in models:
                 m.zero_grad_buffer()
