@@ -1,7 +1,10 @@
 """Builds megatron_zpp and its kernel extension ``megatron_zpp._C``.
 
 CPU kernels always; CUDA kernels too when ``ZPP_BUILD_CUDA=1`` or when a CUDA
-toolkit is found and ``ZPP_BUILD_CUDA`` is not ``0``. Needs torch at build time:
+toolkit is found and ``ZPP_BUILD_CUDA`` is not ``0``. The build is portable (no
+``-march=native``; the CPU loops carry per-instruction-set copies chosen at run
+time, see ``csrc/cpu/quant_cpu.cpp``), so one install can serve a login node
+and compute nodes with different CPUs. Needs torch at build time:
 install with ``pip install --no-build-isolation -e .`` (the Makefile does).
 Package metadata and dependency pins live in pyproject.toml.
 """

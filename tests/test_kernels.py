@@ -441,3 +441,94 @@ print("WARNINGS:", [str(w.message) for w in caught])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "using the pure-PyTorch reference" in proc.stdout, proc.stdout
     assert "ZPP_JIT=0 disables the JIT build" in proc.stdout
+
+
+# ------------------------------------------- CPU instruction-set levels ------
+CPU_ISAS = list(torch.ops.megatron_zpp._cpu_isas()) if ops.kernels_available("cpu") else []
+
+
+@pytest.fixture
+def cpu_isa(request):
+    """Runs the CPU kernels at the given instruction-set level, then restores the previous one."""
+    previous = torch.ops.megatron_zpp._set_cpu_isa(request.param)
+    assert torch.ops.megatron_zpp._cpu_isa() == request.param
+    yield request.param
+    torch.ops.megatron_zpp._set_cpu_isa(previous)
+
+
+@pytest.mark.parametrize("cpu_isa", CPU_ISAS, indirect=True)
+@pytest.mark.parametrize("bits,block", [(8, 256), (4, 128), (8, 24), (4, 40)])
+def test_every_cpu_level_matches_reference(cpu_isa, bits, block):
+    """The portable build's loops for each instruction-set level (baseline, AVX2, AVX-512 on x86-64)
+    give the reference's bits: all five ops, fp32/bf16/fp16, nearest and stochastic."""
+    rows, length = 4, 1031  # partial last block, odd length (INT4 tail nibble)
+    rb = layout.row_bytes(length, bits, block)
+    for dtype, stochastic in itertools.product(FLOAT_DTYPES, (False, True)):
+        x = sample(rows * length, dtype, "cpu", nonfinite=True)
+        outs = {}
+        for backend in ("kernel", "reference"):
+            q = torch.empty(rows, rb, dtype=torch.uint8)
+            ops.quantize_rows_(x, q, bits, block, stochastic, SEED, backend=backend)
+            r = torch.empty_like(q)
+            ops.reorder_quantize_(x, r, bits, block, 2, 2, 1, stochastic, SEED, backend=backend)
+            y = torch.empty(rows * length, dtype=dtype)
+            ops.dequantize_rows_(q, y, bits, block, backend=backend)
+            red = torch.empty(1, layout.row_bytes(length, 4, 32), dtype=torch.uint8)
+            ops.dequant_reduce_quantize_(q.view(rows, 1, -1), red, length, bits, block, 4, 32, stochastic, SEED,
+                                         backend=backend)
+            mean = torch.empty(length, dtype=dtype)
+            ops.dequant_reduce_(q.view(rows, 1, -1), mean, bits, block, 3.0, backend=backend)
+            outs[backend] = (q, r, y, red, mean)
+        for name, got, want in zip(("quantize", "reorder", "dequantize", "reduce_quantize", "reduce"),
+                                   outs["kernel"], outs["reference"]):
+            if got.dtype == torch.uint8:
+                assert torch.equal(got, want), (name, dtype, stochastic)
+            else:
+                assert float_diff(got, want) == 0, (name, dtype, stochastic)
+
+
+def test_cpu_level_selection_errors():
+    with pytest.raises(RuntimeError, match="unknown CPU kernel level 'sse9'"):
+        torch.ops.megatron_zpp._set_cpu_isa("sse9")
+    assert torch.ops.megatron_zpp._cpu_isa() in CPU_ISAS
+
+
+def _disassembly_by_function(path: str) -> dict:
+    import shutil
+    import subprocess
+
+    if shutil.which("objdump") is None:
+        pytest.skip("objdump not installed")
+    text = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", path], capture_output=True, text=True,
+                          check=True).stdout
+    functions, name = {}, None
+    for line in text.splitlines():
+        if line.endswith(">:") and " <" in line:
+            name = line[line.index(" <") + 2 : -2]
+            functions[name] = []
+        elif name is not None and line.startswith(" ") and ":\t" in line:  # "  addr:\tmnemonic operands"
+            functions[name].append(line.split(":\t", 1)[1].strip())
+    assert sum(map(len, functions.values())) > 1000, "could not parse the disassembly"
+    return functions
+
+
+def test_extension_is_portable_and_never_contracts_to_fma():
+    """No -march=native: outside the per-level copies of the loops (which run only where the CPU has
+    the instructions) the extension uses baseline instructions only, and no level uses FMA (it would
+    round differently from the reference's separate multiply and add)."""
+    import platform
+
+    if platform.machine() != "x86_64":
+        pytest.skip("the instruction-set levels are x86-64 only")
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "megatron_zpp" in line and ".so" in line}
+    assert paths, "the kernel library is not loaded"
+    for path in paths:
+        functions = _disassembly_by_function(path)
+        fma = sorted(f for f, insns in functions.items() if any(i.startswith(("vfmadd", "vfmsub", "vfnm")) for i in insns))
+        assert not fma, f"FMA instructions in {path}: {fma[:5]}"
+        leveled = ("isa_x86_64_v3", "isa_x86_64_v4")
+        vex = sorted(f for f, insns in functions.items() if not any(n in f for n in leveled)
+                     and any(i.startswith("v") and "mm" in i for i in insns))
+        assert not vex, f"AVX instructions outside the per-level loops in {path}: {vex[:5]}"
+        assert any("isa_x86_64_v4" in f for f in functions), "the AVX-512 loops are missing"

@@ -2,9 +2,18 @@
 // at::parallel_for). The bits they produce are defined by zpp/quant_math.h and
 // checked against megatron_zpp/compression/reference.py in tests/.
 //
-// Vectorization: the per-block loops are written lane-wise (fixed-width partial
-// max/NaN accumulators, branch-free rounding) so GCC emits SIMD at -O3 without
-// -ffast-math; -ffp-contract=off keeps multiply/add separate like the reference.
+// Vectorization: the per-block loops (quant_cpu_isa.h) are written lane-wise
+// (fixed-width partial max/NaN accumulators, branch-free rounding) so GCC emits
+// SIMD at -O3 without -ffast-math; -ffp-contract=off keeps multiply/add separate
+// like the reference.
+//
+// Portable build, fast loops: the extension is compiled for the baseline of
+// its architecture (no -march=native: a build shared by a login node and
+// compute nodes must run on both). On x86-64 with GCC the loops are compiled
+// three times (baseline SSE2, x86-64-v3 = AVX2+F16C, x86-64-v4 = AVX-512) and
+// the best level the CPU supports is picked on first use. ZPP_CPU_ISA=<level>
+// forces a level (e.g. to compare them); torch.ops.megatron_zpp._cpu_isa()
+// names the level in use and _set_cpu_isa(level) switches (tests, benchmarks).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -12,323 +21,184 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "zpp/op_checks.h"
 #include "zpp/quant_math.h"
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define ZPP_CPU_X86_LEVELS 1
+#include <immintrin.h>
+#else
+#define ZPP_CPU_X86_LEVELS 0
+#endif
+
+namespace zpp {
+
+enum class CpuDtype { kFloat32, kBFloat16, kFloat16 };
+
+struct RowReorder {  // qgZ: input row r goes to row reorder_slot_of_input_row(r, ...)
+  int64_t stages, node_size, nodes;
+};
+
+}  // namespace zpp
+
+// ------------------------------------------------ the loops, per level ------
+#define ZPP_CPU_ISA_NS isa_baseline
+#define ZPP_CPU_ISA_F16C 0
+#include "quant_cpu_isa.h"
+#undef ZPP_CPU_ISA_NS
+#undef ZPP_CPU_ISA_F16C
+
+#if ZPP_CPU_X86_LEVELS
+#pragma GCC push_options
+#pragma GCC target("arch=x86-64-v3")
+#define ZPP_CPU_ISA_NS isa_x86_64_v3
+#define ZPP_CPU_ISA_F16C 1
+#include "quant_cpu_isa.h"
+#undef ZPP_CPU_ISA_NS
+#undef ZPP_CPU_ISA_F16C
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("arch=x86-64-v4")
+#define ZPP_CPU_ISA_NS isa_x86_64_v4
+#define ZPP_CPU_ISA_F16C 1
+#include "quant_cpu_isa.h"
+#undef ZPP_CPU_ISA_NS
+#undef ZPP_CPU_ISA_F16C
+#pragma GCC pop_options
+#endif
+
 namespace zpp {
 namespace {
 
-template <typename T>
-inline float to_f32(T v) {
-  return static_cast<float>(v);
-}
-template <typename T>
-inline T from_f32(float v) {
-  return static_cast<T>(v);  // c10::BFloat16 / c10::Half round to nearest even, as torch does
-}
+// ------------------------------------------------- run-time selection ------
+struct CpuKernels {
+  const char* name;
+  bool (*supported)();
+  decltype(&isa_baseline::quantize_rows) quantize_rows;
+  decltype(&isa_baseline::dequantize_rows) dequantize_rows;
+  decltype(&isa_baseline::dequant_reduce_quantize) dequant_reduce_quantize;
+  decltype(&isa_baseline::dequant_reduce) dequant_reduce;
+};
 
-// Each parallel task gets at least this many elements: enough to amortize the
-// task start, small enough to balance blocks over two or more threads.
-constexpr int64_t kGrainElements = 1 << 15;
+#define ZPP_CPU_KERNELS(NAME, NS, SUPPORTED) \
+  CpuKernels { NAME, SUPPORTED, &NS::quantize_rows, &NS::dequantize_rows, &NS::dequant_reduce_quantize, &NS::dequant_reduce }
 
-inline int64_t grain_blocks(int64_t block) { return std::max<int64_t>(1, kGrainElements / block); }
+// Lowest level first.
+const CpuKernels kCpuLevels[] = {
+#if ZPP_CPU_X86_LEVELS
+    ZPP_CPU_KERNELS("x86-64", isa_baseline, [] { return true; }),
+    ZPP_CPU_KERNELS("x86-64-v3", isa_x86_64_v3, [] { return __builtin_cpu_supports("x86-64-v3") != 0; }),
+    ZPP_CPU_KERNELS("x86-64-v4", isa_x86_64_v4, [] { return __builtin_cpu_supports("x86-64-v4") != 0; }),
+#else
+    ZPP_CPU_KERNELS("baseline", isa_baseline, [] { return true; }),
+#endif
+};
+constexpr int kNumCpuLevels = sizeof(kCpuLevels) / sizeof(kCpuLevels[0]);
 
-inline void store_scale(uint8_t* row, int64_t k, float scale) { std::memcpy(row + 4 * k, &scale, 4); }
-inline float load_scale(const uint8_t* row, int64_t k) {
-  float s;
-  std::memcpy(&s, row + 4 * k, 4);
-  return s;
-}
-
-// absmax over n values and whether any was NaN/Inf, on the bit patterns of
-// |v|: non-negative IEEE floats order like their bits, and bits >= 0x7f800000
-// (exponent all ones) means Inf or NaN. Integer max vectorizes cleanly and runs
-// ~2.7x faster here than a float max plus a separate NaN check.
-template <typename T>
-inline float block_absmax(const T* x, int64_t n, bool* nonfinite) {
-  constexpr int V = 16;
-  uint32_t mx[V] = {0};
-  int64_t i = 0;
-  for (; i + V <= n; i += V) {
-    for (int j = 0; j < V; ++j) {
-      const float v = to_f32(x[i + j]);
-      uint32_t b;
-      std::memcpy(&b, &v, 4);
-      b &= 0x7fffffffu;
-      mx[j] = mx[j] > b ? mx[j] : b;
-    }
-  }
-  uint32_t m = 0;
-  for (; i < n; ++i) {
-    const float v = to_f32(x[i]);
-    uint32_t b;
-    std::memcpy(&b, &v, 4);
-    b &= 0x7fffffffu;
-    m = m > b ? m : b;
-  }
-  for (int j = 0; j < V; ++j) m = m > mx[j] ? m : mx[j];
-  *nonfinite = m >= 0x7f800000u;
-  float r;
-  std::memcpy(&r, &m, 4);
-  return r;
+std::vector<std::string> supported_levels() {
+#if ZPP_CPU_X86_LEVELS
+  __builtin_cpu_init();
+#endif
+  std::vector<std::string> names;
+  for (const auto& k : kCpuLevels)
+    if (k.supported()) names.emplace_back(k.name);
+  return names;
 }
 
-// Quantize one block of n <= block values: writes its scale and ceil(n*bits/8) data bytes.
-// kN > 0 fixes n at compile time (full blocks of common sizes): the loops then
-// have constant trip counts and no vector prologue/epilogue, which is worth ~10%
-// at block=256 where per-block overhead is a sizable share of the work.
-template <int64_t kN = 0, typename T>
-inline void quantize_block(const T* __restrict__ x, int64_t n_runtime, int bits, bool stochastic, uint64_t seed,
-                           uint64_t index0, float* scale_out, uint8_t* __restrict__ data) {
-  const int64_t n = kN > 0 ? kN : n_runtime;
-  const int qmax = qmax_for_bits(bits);
-  bool nonfinite = false;
-  const float absmax = block_absmax(x, n, &nonfinite);
-  const float scale = block_scale(absmax, nonfinite, qmax);
-  *scale_out = scale;
-  const int64_t nbytes = ceil_div(n * bits, 8);
-  if (!scale_is_usable(scale)) {  // zero block (exact) or non-finite block (decodes NaN)
-    std::memset(data, 0, nbytes);
-    return;
-  }
-  const float fq = static_cast<float>(qmax);
-  if (bits == 8) {
-    int8_t* q = reinterpret_cast<int8_t*>(data);
-    if (stochastic) {
-      for (int64_t i = 0; i < n; ++i)
-        q[i] = static_cast<int8_t>(
-            quantize_stochastic_unchecked(to_f32(x[i]), scale, fq, stochastic_uniform(seed, index0 + i)));
-    } else {
-      for (int64_t i = 0; i < n; ++i) q[i] = static_cast<int8_t>(quantize_nearest_unchecked(to_f32(x[i]), scale, fq));
+int level_index(const std::string& name) {
+  for (int i = 0; i < kNumCpuLevels; ++i)
+    if (name == kCpuLevels[i].name) {
+      TORCH_CHECK(kCpuLevels[i].supported(), "megatron_zpp: this CPU does not support the ", name,
+                  " kernels; supported: ", c10::Join(", ", supported_levels()));
+      return i;
     }
-    return;
-  }
-  const int64_t pairs = n / 2;
-  if (stochastic) {
-    for (int64_t p = 0; p < pairs; ++p) {
-      const int lo = quantize_stochastic_unchecked(to_f32(x[2 * p]), scale, fq, stochastic_uniform(seed, index0 + 2 * p));
-      const int hi =
-          quantize_stochastic_unchecked(to_f32(x[2 * p + 1]), scale, fq, stochastic_uniform(seed, index0 + 2 * p + 1));
-      data[p] = pack_int4(lo, hi);
-    }
-  } else {
-    for (int64_t p = 0; p < pairs; ++p) {
-      const int lo = quantize_nearest_unchecked(to_f32(x[2 * p]), scale, fq);
-      const int hi = quantize_nearest_unchecked(to_f32(x[2 * p + 1]), scale, fq);
-      data[p] = pack_int4(lo, hi);
-    }
-  }
-  if (n % 2) {  // odd tail (only in a row's last block): high nibble stays 0
-    const float v = to_f32(x[n - 1]);
-    const int lo = stochastic ? quantize_stochastic_unchecked(v, scale, fq, stochastic_uniform(seed, index0 + n - 1))
-                              : quantize_nearest_unchecked(v, scale, fq);
-    data[pairs] = pack_int4(lo, 0);
-  }
+  TORCH_CHECK(false, "megatron_zpp: unknown CPU kernel level '", name, "'; supported here: ",
+              c10::Join(", ", supported_levels()));
 }
 
-template <typename T>
-inline void quantize_block_dispatch(const T* x, int64_t n, int64_t block, int bits, bool stochastic, uint64_t seed,
-                                    uint64_t index0, float* scale, uint8_t* data) {
-  if (n == block) {
-    switch (block) {
-      case 64: return quantize_block<64>(x, n, bits, stochastic, seed, index0, scale, data);
-      case 128: return quantize_block<128>(x, n, bits, stochastic, seed, index0, scale, data);
-      case 256: return quantize_block<256>(x, n, bits, stochastic, seed, index0, scale, data);
-      case 512: return quantize_block<512>(x, n, bits, stochastic, seed, index0, scale, data);
-      case 1024: return quantize_block<1024>(x, n, bits, stochastic, seed, index0, scale, data);
-      case 2048: return quantize_block<2048>(x, n, bits, stochastic, seed, index0, scale, data);
-      case 4096: return quantize_block<4096>(x, n, bits, stochastic, seed, index0, scale, data);
-      default: break;
-    }
+int default_level() {
+  const char* env = std::getenv("ZPP_CPU_ISA");
+  if (env != nullptr && *env != '\0') return level_index(env);
+  const auto names = supported_levels();
+  return level_index(names.back());
+}
+
+std::atomic<int> g_level{-1};
+
+const CpuKernels& cpu_kernels() {
+  int level = g_level.load(std::memory_order_relaxed);
+  if (level < 0) {
+    level = default_level();
+    g_level.store(level, std::memory_order_relaxed);
   }
-  quantize_block(x, n, bits, stochastic, seed, index0, scale, data);
+  return kCpuLevels[level];
 }
 
-// Quantize R rows of L elements of x into packed rows; row r goes to row_map(r).
-template <typename T, typename RowMap>
-void quantize_rows_kernel(const T* x, uint8_t* packed, int64_t rows, int64_t length, int bits, int64_t block,
-                          bool stochastic, uint64_t seed, RowMap row_map) {
-  const int64_t nb = num_blocks(length, block);
-  const int64_t rb = row_bytes(length, bits, block);
-  const int64_t used = ceil_div(length * bits, 8);
-  const int64_t padded = data_bytes(length, bits);
-  at::parallel_for(0, rows * nb, grain_blocks(block), [&](int64_t b0, int64_t b1) {
-    // Walk (row, block) incrementally: a 64-bit division per block costs as
-    // much as quantizing a quarter of a 256-element block.
-    int64_t r = b0 / nb, k = b0 % nb;
-    for (int64_t b = b0; b < b1; ++b) {
-      uint8_t* row = packed + row_map(r) * rb;
-      uint8_t* data = row + 4 * nb;
-      const int64_t e0 = k * block;
-      const int64_t n = std::min(block, length - e0);
-      float scale;
-      quantize_block_dispatch(x + r * length + e0, n, block, bits, stochastic, seed,
-                              static_cast<uint64_t>(r * length + e0), &scale, data + e0 * bits / 8);
-      store_scale(row, k, scale);
-      if (k == nb - 1 && padded > used) std::memset(data + used, 0, padded - used);
-      if (++k == nb) {
-        k = 0;
-        ++r;
-      }
-    }
-  });
+std::string cpu_isa() { return cpu_kernels().name; }
+
+std::string set_cpu_isa(const std::string& name) {
+  const std::string previous = cpu_isa();
+  g_level.store(level_index(name), std::memory_order_relaxed);
+  return previous;
 }
 
-// acc[0..n) += dequantized elements [e0, e0+n) of one packed row (fp32, mul then add).
-inline void accumulate_row_range(const uint8_t* row, int64_t length, int bits, int64_t block, int64_t e0, int64_t n,
-                                 float* acc) {
-  const int64_t nb = num_blocks(length, block);
-  const uint8_t* data = row + 4 * nb;
-  int64_t e = e0;
-  const int64_t end = e0 + n;
-  while (e < end) {
-    const int64_t k = e / block;
-    const int64_t stop = std::min(end, (k + 1) * block);
-    const float s = load_scale(row, k);
-    float* a = acc + (e - e0);
-    const int64_t m = stop - e;
-    if (bits == 8) {
-      const int8_t* q = reinterpret_cast<const int8_t*>(data) + e;
-      for (int64_t i = 0; i < m; ++i) a[i] = f32_add(a[i], f32_mul(static_cast<float>(q[i]), s));
-    } else {
-      // e is even: block boundaries are multiples of 8 and e0 is a block start.
-      const uint8_t* q = data + e / 2;
-      const int64_t pairs = m / 2;
-      for (int64_t p = 0; p < pairs; ++p) {
-        a[2 * p] = f32_add(a[2 * p], f32_mul(static_cast<float>(unpack_int4_lo(q[p])), s));
-        a[2 * p + 1] = f32_add(a[2 * p + 1], f32_mul(static_cast<float>(unpack_int4_hi(q[p])), s));
-      }
-      if (m % 2) a[m - 1] = f32_add(a[m - 1], f32_mul(static_cast<float>(unpack_int4_lo(q[pairs])), s));
-    }
-    e = stop;
+std::vector<std::string> cpu_isas() { return supported_levels(); }
+
+CpuDtype cpu_dtype(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return CpuDtype::kFloat32;
+    case at::kBFloat16: return CpuDtype::kBFloat16;
+    default: return CpuDtype::kFloat16;  // check_float() ran first
   }
-}
-
-template <typename T>
-void dequantize_rows_kernel(const uint8_t* packed, T* out, int64_t rows, int64_t length, int bits, int64_t block) {
-  const int64_t nb = num_blocks(length, block);
-  const int64_t rb = row_bytes(length, bits, block);
-  at::parallel_for(0, rows * nb, grain_blocks(block), [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t r = b / nb, k = b % nb;
-      const uint8_t* row = packed + r * rb;
-      const uint8_t* data = row + 4 * nb;
-      const float s = load_scale(row, k);
-      const int64_t e0 = k * block;
-      const int64_t n = std::min(block, length - e0);
-      T* y = out + r * length + e0;
-      if (bits == 8) {
-        const int8_t* q = reinterpret_cast<const int8_t*>(data) + e0;
-        for (int64_t i = 0; i < n; ++i) y[i] = from_f32<T>(f32_mul(static_cast<float>(q[i]), s));
-      } else {
-        const uint8_t* q = data + e0 / 2;
-        const int64_t pairs = n / 2;
-        for (int64_t p = 0; p < pairs; ++p) {
-          y[2 * p] = from_f32<T>(f32_mul(static_cast<float>(unpack_int4_lo(q[p])), s));
-          y[2 * p + 1] = from_f32<T>(f32_mul(static_cast<float>(unpack_int4_hi(q[p])), s));
-        }
-        if (n % 2) y[n - 1] = from_f32<T>(f32_mul(static_cast<float>(unpack_int4_lo(q[pairs])), s));
-      }
-    }
-  });
 }
 
 // ------------------------------------------------------------ op bodies -----
-#define ZPP_DISPATCH_FLOAT(dtype, NAME, ...)                                              \
-  AT_DISPATCH_SWITCH(dtype, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)              \
-                                      AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)       \
-                                          AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
-
 void quantize_rows_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t block, bool stochastic,
                        int64_t seed) {
   const int64_t length = check_quantize_rows(x, packed, bits, block);
-  const int64_t rows = packed.size(0);
-  ZPP_DISPATCH_FLOAT(x.scalar_type(), "quantize_rows_", [&] {
-    quantize_rows_kernel(x.data_ptr<scalar_t>(), packed.data_ptr<uint8_t>(), rows, length, static_cast<int>(bits),
-                         block, stochastic, static_cast<uint64_t>(seed), [](int64_t r) { return r; });
-  });
+  cpu_kernels().quantize_rows(x.data_ptr(), cpu_dtype(x), packed.data_ptr<uint8_t>(), packed.size(0), length,
+                              static_cast<int>(bits), block, stochastic, static_cast<uint64_t>(seed), nullptr);
 }
 
 void reorder_quantize_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t block, int64_t nodes,
                           int64_t node_size, int64_t stages, bool stochastic, int64_t seed) {
   const int64_t length = check_reorder_quantize(x, packed, bits, block, nodes, node_size, stages);
-  const int64_t rows = packed.size(0);
-  ZPP_DISPATCH_FLOAT(x.scalar_type(), "reorder_quantize_", [&] {
-    quantize_rows_kernel(x.data_ptr<scalar_t>(), packed.data_ptr<uint8_t>(), rows, length, static_cast<int>(bits),
-                         block, stochastic, static_cast<uint64_t>(seed),
-                         [=](int64_t r) { return reorder_slot_of_input_row(r, stages, node_size, nodes); });
-  });
+  const RowReorder reorder{stages, node_size, nodes};
+  cpu_kernels().quantize_rows(x.data_ptr(), cpu_dtype(x), packed.data_ptr<uint8_t>(), packed.size(0), length,
+                              static_cast<int>(bits), block, stochastic, static_cast<uint64_t>(seed), &reorder);
 }
 
 void dequantize_rows_cpu(const at::Tensor& packed, const at::Tensor& out, int64_t bits, int64_t block) {
   const int64_t length = check_dequantize_rows(packed, out, bits, block);
-  const int64_t rows = packed.size(0);
-  ZPP_DISPATCH_FLOAT(out.scalar_type(), "dequantize_rows_", [&] {
-    dequantize_rows_kernel(packed.data_ptr<uint8_t>(), out.data_ptr<scalar_t>(), rows, length, static_cast<int>(bits),
-                           block);
-  });
-}
-
-// Sum over the C chunks of packed_in [C, K, row_bytes] for output blocks of
-// `block_out` elements, handing each fp32 block to `emit(k, e0, n, acc)`.
-template <typename Emit>
-void reduce_chunks(const at::Tensor& packed_in, int64_t length, int bits_in, int64_t block_in, int64_t block_out,
-                   Emit emit) {
-  const int64_t chunks = packed_in.size(0), rows = packed_in.size(1);
-  const int64_t rb = packed_in.size(2);
-  const uint8_t* base = packed_in.data_ptr<uint8_t>();
-  const int64_t nb = num_blocks(length, block_out);
-  at::parallel_for(0, rows * nb, grain_blocks(block_out), [&](int64_t b0, int64_t b1) {
-    std::vector<float> acc(block_out);
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t k = b / nb, j = b % nb;
-      const int64_t e0 = j * block_out;
-      const int64_t n = std::min(block_out, length - e0);
-      std::fill(acc.begin(), acc.begin() + n, 0.0f);
-      for (int64_t c = 0; c < chunks; ++c)  // fixed chunk order, as in the reference
-        accumulate_row_range(base + (c * rows + k) * rb, length, bits_in, block_in, e0, n, acc.data());
-      emit(k, j, e0, n, acc.data());
-    }
-  });
+  cpu_kernels().dequantize_rows(packed.data_ptr<uint8_t>(), out.data_ptr(), cpu_dtype(out), packed.size(0), length,
+                                static_cast<int>(bits), block);
 }
 
 void dequant_reduce_quantize_cpu(const at::Tensor& packed_in, const at::Tensor& packed_out, int64_t row_numel,
                                  int64_t bits_in, int64_t block_in, int64_t bits_out, int64_t block_out,
                                  bool stochastic, int64_t seed) {
   check_dequant_reduce_quantize(packed_in, packed_out, row_numel, bits_in, block_in, bits_out, block_out);
-  uint8_t* out = packed_out.data_ptr<uint8_t>();
-  const int bo = static_cast<int>(bits_out);
-  const int64_t nb_out = num_blocks(row_numel, block_out);
-  const int64_t rb_out = row_bytes(row_numel, bo, block_out);
-  const int64_t used = ceil_div(row_numel * bo, 8), padded = data_bytes(row_numel, bo);
-  reduce_chunks(packed_in, row_numel, static_cast<int>(bits_in), block_in, block_out,
-                [&](int64_t k, int64_t j, int64_t e0, int64_t n, const float* acc) {
-                  uint8_t* row = out + k * rb_out;
-                  uint8_t* data = row + 4 * nb_out;
-                  float scale;
-                  quantize_block_dispatch(acc, n, block_out, bo, stochastic, static_cast<uint64_t>(seed),
-                                 static_cast<uint64_t>(k * row_numel + e0), &scale, data + e0 * bo / 8);
-                  store_scale(row, j, scale);
-                  if (j == nb_out - 1 && padded > used) std::memset(data + used, 0, padded - used);
-                });
+  cpu_kernels().dequant_reduce_quantize(packed_in.data_ptr<uint8_t>(), packed_out.data_ptr<uint8_t>(),
+                                        packed_in.size(0), packed_in.size(1), row_numel, static_cast<int>(bits_in),
+                                        block_in, static_cast<int>(bits_out), block_out, stochastic,
+                                        static_cast<uint64_t>(seed));
 }
 
 void dequant_reduce_cpu(const at::Tensor& packed_in, const at::Tensor& out, int64_t bits, int64_t block,
                         double divisor) {
   const int64_t length = check_dequant_reduce(packed_in, out, bits, block, divisor);
-  const float div = static_cast<float>(divisor);
-  ZPP_DISPATCH_FLOAT(out.scalar_type(), "dequant_reduce_", [&] {
-    scalar_t* y = out.data_ptr<scalar_t>();
-    reduce_chunks(packed_in, length, static_cast<int>(bits), block, block,
-                  [&](int64_t k, int64_t, int64_t e0, int64_t n, const float* acc) {
-                    scalar_t* dst = y + k * length + e0;
-                    for (int64_t i = 0; i < n; ++i) dst[i] = from_f32<scalar_t>(f32_div(acc[i], div));
-                  });
-  });
+  cpu_kernels().dequant_reduce(packed_in.data_ptr<uint8_t>(), out.data_ptr(), cpu_dtype(out), packed_in.size(0),
+                               packed_in.size(1), length, static_cast<int>(bits), block,
+                               static_cast<float>(divisor));
 }
 
 }  // namespace
@@ -340,4 +210,11 @@ TORCH_LIBRARY_IMPL(megatron_zpp, CPU, m) {
   m.impl("dequantize_rows_", &zpp::dequantize_rows_cpu);
   m.impl("dequant_reduce_quantize_", &zpp::dequant_reduce_quantize_cpu);
   m.impl("dequant_reduce_", &zpp::dequant_reduce_cpu);
+}
+
+// Which compiled level of the CPU loops runs (no tensors: registered with their implementation).
+TORCH_LIBRARY_FRAGMENT(megatron_zpp, m) {
+  m.def("_cpu_isa() -> str", &zpp::cpu_isa);
+  m.def("_cpu_isas() -> str[]", &zpp::cpu_isas);
+  m.def("_set_cpu_isa(str isa) -> str", &zpp::set_cpu_isa);
 }

@@ -21,9 +21,11 @@ import torch
 _CSRC = Path(__file__).resolve().parents[2] / "csrc"
 
 # -ffp-contract=off: an FMA would round differently from the reference's
-# separate multiply and add (bit-exactness is tested). -march=native: the
-# extension is built on the machine that runs it (install or JIT).
-CPU_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++20"]
+# separate multiply and add (bit-exactness is tested). No -march: the build must
+# run on every CPU of its architecture (a login node and the compute nodes may
+# differ); on x86-64 quant_cpu.cpp compiles its loops for x86-64-v3 (AVX2) and
+# x86-64-v4 (AVX-512) too and picks the best the CPU has at run time.
+CPU_CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-std=c++20"]
 
 # Ampere (A100) and Hopper (H100/H200). --fmad=false backs up the explicit _rn
 # intrinsics: device code must not contract multiply+add either.

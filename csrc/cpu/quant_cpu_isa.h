@@ -1,0 +1,344 @@
+// The CPU kernels' loops, compiled once per instruction-set level.
+//
+// NO include guard on purpose: quant_cpu.cpp includes this file several times,
+// each time with ZPP_CPU_ISA_NS naming a namespace of its own and, for the x86-64
+// levels above the baseline, inside `#pragma GCC target(...)`, so one portable
+// build carries an SSE2 baseline plus AVX2 and AVX-512 versions of every hot loop
+// and picks one at run time (quant_cpu.cpp). Only functions *defined* here get
+// the level's instructions: the headers are included by quant_cpu.cpp before
+// any pragma, and GCC compiles a template with the options in force where the
+// template is defined, so no inline function or template instance shared with
+// other code (c10, std::vector, at::parallel_for) is ever compiled for a CPU
+// that may lack the instructions.
+//
+// The bits produced are the same at every level: the loops use IEEE float
+// add/mul/div only (no FMA: -ffp-contract=off applies to every level, and
+// tests/test_kernels.py disassembles the extension to check), and the
+// fp16 <-> fp32 conversions (F16C instructions or c10's software path) are both
+// correctly rounded. tests/test_kernels.py checks every level against the
+// reference.
+//
+// Expects: ZPP_CPU_ISA_NS (namespace name), ZPP_CPU_ISA_F16C (0/1: may use F16C).
+// Defines zpp::ZPP_CPU_ISA_NS::{quantize_rows, dequantize_rows,
+// dequant_reduce_quantize, dequant_reduce} (see CpuKernels in quant_cpu.cpp).
+
+namespace zpp {
+namespace ZPP_CPU_ISA_NS {
+namespace {
+
+template <typename T>
+inline float to_f32(T v) {
+  return static_cast<float>(v);
+}
+template <typename T>
+inline T from_f32(float v) {
+  return static_cast<T>(v);  // c10::BFloat16 / c10::Half round to nearest even, as torch does
+}
+#if ZPP_CPU_ISA_F16C
+// The F16C instructions, as c10::Half itself uses when the whole build targets F16C.
+template <>
+inline float to_f32(c10::Half v) {
+  return _cvtsh_ss(v.x);
+}
+template <>
+inline c10::Half from_f32(float v) {
+  return c10::Half(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT), c10::Half::from_bits());
+}
+#endif
+
+// Each parallel task gets at least this many elements: enough to amortize the
+// task start, small enough to balance blocks over two or more threads.
+constexpr int64_t kGrainElements = 1 << 15;
+
+inline int64_t grain_blocks(int64_t block) { return std::max<int64_t>(1, kGrainElements / block); }
+
+inline void store_scale(uint8_t* row, int64_t k, float scale) { std::memcpy(row + 4 * k, &scale, 4); }
+inline float load_scale(const uint8_t* row, int64_t k) {
+  float s;
+  std::memcpy(&s, row + 4 * k, 4);
+  return s;
+}
+
+// absmax over n values and whether any was NaN/Inf, on the bit patterns of
+// |v|: non-negative IEEE floats order like their bits, and bits >= 0x7f800000
+// (exponent all ones) means Inf or NaN. Integer max vectorizes cleanly and runs
+// ~2.7x faster here than a float max plus a separate NaN check.
+template <typename T>
+inline float block_absmax(const T* x, int64_t n, bool* nonfinite) {
+  constexpr int V = 16;
+  uint32_t mx[V] = {0};
+  int64_t i = 0;
+  for (; i + V <= n; i += V) {
+    for (int j = 0; j < V; ++j) {
+      const float v = to_f32(x[i + j]);
+      uint32_t b;
+      std::memcpy(&b, &v, 4);
+      b &= 0x7fffffffu;
+      mx[j] = mx[j] > b ? mx[j] : b;
+    }
+  }
+  uint32_t m = 0;
+  for (; i < n; ++i) {
+    const float v = to_f32(x[i]);
+    uint32_t b;
+    std::memcpy(&b, &v, 4);
+    b &= 0x7fffffffu;
+    m = m > b ? m : b;
+  }
+  for (int j = 0; j < V; ++j) m = m > mx[j] ? m : mx[j];
+  *nonfinite = m >= 0x7f800000u;
+  float r;
+  std::memcpy(&r, &m, 4);
+  return r;
+}
+
+// Quantize one block of n <= block values: writes its scale and ceil(n*bits/8) data bytes.
+// kN > 0 fixes n at compile time (full blocks of common sizes): the loops then
+// have constant trip counts and no vector prologue/epilogue, which is worth ~10%
+// at block=256 where per-block overhead is a sizable share of the work.
+template <int64_t kN = 0, typename T>
+inline void quantize_block(const T* __restrict__ x, int64_t n_runtime, int bits, bool stochastic, uint64_t seed,
+                           uint64_t index0, float* scale_out, uint8_t* __restrict__ data) {
+  const int64_t n = kN > 0 ? kN : n_runtime;
+  const int qmax = qmax_for_bits(bits);
+  bool nonfinite = false;
+  const float absmax = block_absmax(x, n, &nonfinite);
+  const float scale = block_scale(absmax, nonfinite, qmax);
+  *scale_out = scale;
+  const int64_t nbytes = ceil_div(n * bits, 8);
+  if (!scale_is_usable(scale)) {  // zero block (exact) or non-finite block (decodes NaN)
+    std::memset(data, 0, nbytes);
+    return;
+  }
+  const float fq = static_cast<float>(qmax);
+  if (bits == 8) {
+    int8_t* q = reinterpret_cast<int8_t*>(data);
+    if (stochastic) {
+      for (int64_t i = 0; i < n; ++i)
+        q[i] = static_cast<int8_t>(
+            quantize_stochastic_unchecked(to_f32(x[i]), scale, fq, stochastic_uniform(seed, index0 + i)));
+    } else {
+      for (int64_t i = 0; i < n; ++i) q[i] = static_cast<int8_t>(quantize_nearest_unchecked(to_f32(x[i]), scale, fq));
+    }
+    return;
+  }
+  const int64_t pairs = n / 2;
+  if (stochastic) {
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int lo = quantize_stochastic_unchecked(to_f32(x[2 * p]), scale, fq, stochastic_uniform(seed, index0 + 2 * p));
+      const int hi =
+          quantize_stochastic_unchecked(to_f32(x[2 * p + 1]), scale, fq, stochastic_uniform(seed, index0 + 2 * p + 1));
+      data[p] = pack_int4(lo, hi);
+    }
+  } else {
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int lo = quantize_nearest_unchecked(to_f32(x[2 * p]), scale, fq);
+      const int hi = quantize_nearest_unchecked(to_f32(x[2 * p + 1]), scale, fq);
+      data[p] = pack_int4(lo, hi);
+    }
+  }
+  if (n % 2) {  // odd tail (only in a row's last block): high nibble stays 0
+    const float v = to_f32(x[n - 1]);
+    const int lo = stochastic ? quantize_stochastic_unchecked(v, scale, fq, stochastic_uniform(seed, index0 + n - 1))
+                              : quantize_nearest_unchecked(v, scale, fq);
+    data[pairs] = pack_int4(lo, 0);
+  }
+}
+
+template <typename T>
+inline void quantize_block_dispatch(const T* x, int64_t n, int64_t block, int bits, bool stochastic, uint64_t seed,
+                                    uint64_t index0, float* scale, uint8_t* data) {
+  if (n == block) {
+    switch (block) {
+      case 64: return quantize_block<64>(x, n, bits, stochastic, seed, index0, scale, data);
+      case 128: return quantize_block<128>(x, n, bits, stochastic, seed, index0, scale, data);
+      case 256: return quantize_block<256>(x, n, bits, stochastic, seed, index0, scale, data);
+      case 512: return quantize_block<512>(x, n, bits, stochastic, seed, index0, scale, data);
+      case 1024: return quantize_block<1024>(x, n, bits, stochastic, seed, index0, scale, data);
+      case 2048: return quantize_block<2048>(x, n, bits, stochastic, seed, index0, scale, data);
+      case 4096: return quantize_block<4096>(x, n, bits, stochastic, seed, index0, scale, data);
+      default: break;
+    }
+  }
+  quantize_block(x, n, bits, stochastic, seed, index0, scale, data);
+}
+
+// Quantize R rows of L elements of x into packed rows; row r goes to row_map(r).
+template <typename T, typename RowMap>
+void quantize_rows_kernel(const T* x, uint8_t* packed, int64_t rows, int64_t length, int bits, int64_t block,
+                          bool stochastic, uint64_t seed, RowMap row_map) {
+  const int64_t nb = num_blocks(length, block);
+  const int64_t rb = row_bytes(length, bits, block);
+  const int64_t used = ceil_div(length * bits, 8);
+  const int64_t padded = data_bytes(length, bits);
+  at::parallel_for(0, rows * nb, grain_blocks(block), [&](int64_t b0, int64_t b1) {
+    // Walk (row, block) incrementally: a 64-bit division per block costs as
+    // much as quantizing a quarter of a 256-element block.
+    int64_t r = b0 / nb, k = b0 % nb;
+    for (int64_t b = b0; b < b1; ++b) {
+      uint8_t* row = packed + row_map(r) * rb;
+      uint8_t* data = row + 4 * nb;
+      const int64_t e0 = k * block;
+      const int64_t n = std::min(block, length - e0);
+      float scale;
+      quantize_block_dispatch(x + r * length + e0, n, block, bits, stochastic, seed,
+                              static_cast<uint64_t>(r * length + e0), &scale, data + e0 * bits / 8);
+      store_scale(row, k, scale);
+      if (k == nb - 1 && padded > used) std::memset(data + used, 0, padded - used);
+      if (++k == nb) {
+        k = 0;
+        ++r;
+      }
+    }
+  });
+}
+
+// acc[0..n) += dequantized elements [e0, e0+n) of one packed row (fp32, mul then add).
+inline void accumulate_row_range(const uint8_t* row, int64_t length, int bits, int64_t block, int64_t e0, int64_t n,
+                                 float* acc) {
+  const int64_t nb = num_blocks(length, block);
+  const uint8_t* data = row + 4 * nb;
+  int64_t e = e0;
+  const int64_t end = e0 + n;
+  while (e < end) {
+    const int64_t k = e / block;
+    const int64_t stop = std::min(end, (k + 1) * block);
+    const float s = load_scale(row, k);
+    float* a = acc + (e - e0);
+    const int64_t m = stop - e;
+    if (bits == 8) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(data) + e;
+      for (int64_t i = 0; i < m; ++i) a[i] = f32_add(a[i], f32_mul(static_cast<float>(q[i]), s));
+    } else {
+      // e is even: block boundaries are multiples of 8 and e0 is a block start.
+      const uint8_t* q = data + e / 2;
+      const int64_t pairs = m / 2;
+      for (int64_t p = 0; p < pairs; ++p) {
+        a[2 * p] = f32_add(a[2 * p], f32_mul(static_cast<float>(unpack_int4_lo(q[p])), s));
+        a[2 * p + 1] = f32_add(a[2 * p + 1], f32_mul(static_cast<float>(unpack_int4_hi(q[p])), s));
+      }
+      if (m % 2) a[m - 1] = f32_add(a[m - 1], f32_mul(static_cast<float>(unpack_int4_lo(q[pairs])), s));
+    }
+    e = stop;
+  }
+}
+
+template <typename T>
+void dequantize_rows_kernel(const uint8_t* packed, T* out, int64_t rows, int64_t length, int bits, int64_t block) {
+  const int64_t nb = num_blocks(length, block);
+  const int64_t rb = row_bytes(length, bits, block);
+  at::parallel_for(0, rows * nb, grain_blocks(block), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r = b / nb, k = b % nb;
+      const uint8_t* row = packed + r * rb;
+      const uint8_t* data = row + 4 * nb;
+      const float s = load_scale(row, k);
+      const int64_t e0 = k * block;
+      const int64_t n = std::min(block, length - e0);
+      T* y = out + r * length + e0;
+      if (bits == 8) {
+        const int8_t* q = reinterpret_cast<const int8_t*>(data) + e0;
+        for (int64_t i = 0; i < n; ++i) y[i] = from_f32<T>(f32_mul(static_cast<float>(q[i]), s));
+      } else {
+        const uint8_t* q = data + e0 / 2;
+        const int64_t pairs = n / 2;
+        for (int64_t p = 0; p < pairs; ++p) {
+          y[2 * p] = from_f32<T>(f32_mul(static_cast<float>(unpack_int4_lo(q[p])), s));
+          y[2 * p + 1] = from_f32<T>(f32_mul(static_cast<float>(unpack_int4_hi(q[p])), s));
+        }
+        if (n % 2) y[n - 1] = from_f32<T>(f32_mul(static_cast<float>(unpack_int4_lo(q[pairs])), s));
+      }
+    }
+  });
+}
+
+// Sum over the C chunks of packed_in [C, K, rb] for output blocks of
+// `block_out` elements, handing each fp32 block to `emit(k, j, e0, n, acc)`.
+template <typename Emit>
+void reduce_chunks(const uint8_t* base, int64_t chunks, int64_t rows, int64_t rb, int64_t length, int bits_in,
+                   int64_t block_in, int64_t block_out, Emit emit) {
+  const int64_t nb = num_blocks(length, block_out);
+  at::parallel_for(0, rows * nb, grain_blocks(block_out), [&](int64_t b0, int64_t b1) {
+    std::vector<float> acc(block_out);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t k = b / nb, j = b % nb;
+      const int64_t e0 = j * block_out;
+      const int64_t n = std::min(block_out, length - e0);
+      std::fill(acc.begin(), acc.begin() + n, 0.0f);
+      for (int64_t c = 0; c < chunks; ++c)  // fixed chunk order, as in the reference
+        accumulate_row_range(base + (c * rows + k) * rb, length, bits_in, block_in, e0, n, acc.data());
+      emit(k, j, e0, n, acc.data());
+    }
+  });
+}
+
+template <typename Fn>
+void dispatch_dtype(CpuDtype dtype, Fn fn) {
+  switch (dtype) {
+    case CpuDtype::kFloat32: return fn(static_cast<float*>(nullptr));
+    case CpuDtype::kBFloat16: return fn(static_cast<c10::BFloat16*>(nullptr));
+    case CpuDtype::kFloat16: return fn(static_cast<c10::Half*>(nullptr));
+  }
+}
+
+// ---------------------------------------------------- entry points ----------
+void quantize_rows(const void* x, CpuDtype dtype, uint8_t* packed, int64_t rows, int64_t length, int bits,
+                   int64_t block, bool stochastic, uint64_t seed, const RowReorder* reorder) {
+  dispatch_dtype(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* xt = static_cast<const T*>(x);
+    if (reorder) {
+      const RowReorder ro = *reorder;
+      quantize_rows_kernel(xt, packed, rows, length, bits, block, stochastic, seed, [ro](int64_t r) {
+        return reorder_slot_of_input_row(r, ro.stages, ro.node_size, ro.nodes);
+      });
+    } else {
+      quantize_rows_kernel(xt, packed, rows, length, bits, block, stochastic, seed, [](int64_t r) { return r; });
+    }
+  });
+}
+
+void dequantize_rows(const uint8_t* packed, void* out, CpuDtype dtype, int64_t rows, int64_t length, int bits,
+                     int64_t block) {
+  dispatch_dtype(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    dequantize_rows_kernel(packed, static_cast<T*>(out), rows, length, bits, block);
+  });
+}
+
+void dequant_reduce_quantize(const uint8_t* packed_in, uint8_t* packed_out, int64_t chunks, int64_t rows,
+                             int64_t row_numel, int bits_in, int64_t block_in, int bits_out, int64_t block_out,
+                             bool stochastic, uint64_t seed) {
+  const int64_t rb_in = row_bytes(row_numel, bits_in, block_in);
+  const int64_t nb_out = num_blocks(row_numel, block_out);
+  const int64_t rb_out = row_bytes(row_numel, bits_out, block_out);
+  const int64_t used = ceil_div(row_numel * bits_out, 8), padded = data_bytes(row_numel, bits_out);
+  reduce_chunks(packed_in, chunks, rows, rb_in, row_numel, bits_in, block_in, block_out,
+                [&](int64_t k, int64_t j, int64_t e0, int64_t n, const float* acc) {
+                  uint8_t* row = packed_out + k * rb_out;
+                  uint8_t* data = row + 4 * nb_out;
+                  float scale;
+                  quantize_block_dispatch(acc, n, block_out, bits_out, stochastic, seed,
+                                          static_cast<uint64_t>(k * row_numel + e0), &scale, data + e0 * bits_out / 8);
+                  store_scale(row, j, scale);
+                  if (j == nb_out - 1 && padded > used) std::memset(data + used, 0, padded - used);
+                });
+}
+
+void dequant_reduce(const uint8_t* packed_in, void* out, CpuDtype dtype, int64_t chunks, int64_t rows,
+                    int64_t length, int bits, int64_t block, float divisor) {
+  const int64_t rb = row_bytes(length, bits, block);
+  dispatch_dtype(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* y = static_cast<T*>(out);
+    reduce_chunks(packed_in, chunks, rows, rb, length, bits, block, block,
+                  [&](int64_t k, int64_t, int64_t e0, int64_t n, const float* acc) {
+                    T* dst = y + k * length + e0;
+                    for (int64_t i = 0; i < n; ++i) dst[i] = from_f32<T>(f32_div(acc[i], divisor));
+                  });
+  });
+}
+
+}  // namespace
+}  // namespace ZPP_CPU_ISA_NS
+}  // namespace zpp
