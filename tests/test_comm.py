@@ -172,9 +172,29 @@ def test_scratch_pool_is_bounded_and_releasable():
     bufs = [pool.take(60, torch.device("cpu")) for _ in range(3)]
     for b in bufs:
         pool.give(b)
-    assert pool.cached_bytes == 60  # a second 60-byte buffer would exceed the 100-byte cap
+    assert pool.cached_bytes == 60  # two 60-byte buffers would exceed the 100-byte cap: the oldest went
     again = pool.take(60, torch.device("cpu"))
-    assert again.data_ptr() == bufs[0].data_ptr() and pool.cached_bytes == 0
+    assert again.data_ptr() == bufs[2].data_ptr() and pool.cached_bytes == 0
     pool.give(again)
     pool.release()
     assert pool.cached_bytes == 0 and pool.allocated_bytes == 180
+
+
+def test_stochastic_seeds_restart_with_the_rounding_epoch():
+    """A rerun or a resumed run of step k rounds like the first run of step k: seeds depend on
+    (epoch, site, call within the epoch, rank), not on what ran before in the process."""
+    from megatron_zpp.comm import set_rounding_epoch
+    from megatron_zpp.comm._common import WireFormat
+    from megatron_zpp.compression import get_codec
+
+    fmt = WireFormat(get_codec("int4:block=128,rounding=stochastic"), 4, 128, True)
+    try:
+        set_rounding_epoch(3)
+        step3 = [fmt.seed(0, "s") for _ in range(3)]
+        set_rounding_epoch(4)
+        step4 = [fmt.seed(0, "s") for _ in range(3)]
+        set_rounding_epoch(3)  # e.g. resumed at step 3, or a second run in the same process
+        assert [fmt.seed(0, "s") for _ in range(3)] == step3
+        assert not set(step3) & set(step4)
+    finally:
+        set_rounding_epoch(0)

@@ -13,7 +13,7 @@ Semantics mirror ``all_gather_into_tensor`` / ``reduce_scatter_tensor``; ``codec
 gives the uncompressed algorithm, recorded the same way. Design notes: ``README.md`` here.
 """
 
-from megatron_zpp.comm._common import CommHandle
+from megatron_zpp.comm._common import CommHandle, set_rounding_epoch
 from megatron_zpp.comm.all_gather import HpzShard, hpz_all_gather, quantized_all_gather
 from megatron_zpp.comm.all_reduce import compressed_all_reduce
 from megatron_zpp.comm.passthrough import record_torch_collective, torch_reduce_scatter
@@ -34,6 +34,7 @@ __all__ = [
     "quantized_all_gather",
     "record_torch_collective",
     "release_buffers",
+    "set_rounding_epoch",
     "ring_reduce_scatter",
     "torch_reduce_scatter",
 ]

@@ -41,12 +41,12 @@ class WireFormat:
         """Stochastic rounding seed of the next call at ``site`` (e.g. ``"dp.grad/qgz.hop1"``).
 
         A fresh stream per call, a distinct one per rank (the rounding errors of the ranks being
-        summed are independent) and per call site: the n-th call at a site gets the same seed
-        whatever other sites did in between, so stochastic runs are reproducible."""
+        summed are independent) and per call site: the n-th call at a site in a rounding epoch
+        (a training step, see :func:`set_rounding_epoch`) gets the same seed whatever other sites
+        did, in this run, a rerun or a resumed run."""
         if not self.stochastic:
             return 0
-        n = self.calls[site] = self.calls.get(site, 0) + 1
-        return site_seed(self.codec.seed, site, n, group_rank)
+        return next_site_seed(self.calls, self.codec.seed, site, group_rank)
 
 
 def _mix32(x: int) -> int:
@@ -65,6 +65,29 @@ def site_seed(base: int, site: str, call: int, rank: int) -> int:
     lo = _mix32(h ^ _mix32(call) ^ (call >> 32))
     hi = _mix32(_mix32(h ^ 0x9E3779B9) ^ _mix32(rank))
     return (hi << 32) | lo
+
+
+_EPOCH_KEY = object()
+_rounding_epoch = 0
+
+
+def set_rounding_epoch(epoch: int) -> None:
+    """Restart every call site's stochastic-rounding seed stream at ``epoch`` (the training step).
+
+    Seeds are then a function of (epoch, call site, call number within the epoch, rank): two runs
+    of the same step, a second run in the same process or a run resumed from a checkpoint, round
+    identically. The Megatron hooks set it from the iteration number."""
+    global _rounding_epoch
+    _rounding_epoch = int(epoch)
+
+
+def next_site_seed(calls: dict, base: int, site: str, rank: int) -> int:
+    """Count one more call at ``site`` in ``calls`` (restarted when the epoch changed) and seed it."""
+    if calls.get(_EPOCH_KEY) != _rounding_epoch:
+        calls.clear()
+        calls[_EPOCH_KEY] = _rounding_epoch
+    n = calls[site] = calls.get(site, 0) + 1
+    return site_seed(base ^ _mix32(_rounding_epoch) ^ (_rounding_epoch >> 32), site, n, rank)
 
 
 def wire_format(topology: Topology, codec: str | Codec | None, what: str) -> WireFormat:

@@ -122,8 +122,8 @@ def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, topology: To
         return CommHandle(lambda: None) if async_op else None
 
     groups = topology._groups
-    stream = comm_stream(input.device, "gather")
-    scratch = groups.buffers.lease(input.device, stream)
+    stream = comm_stream(input.device, "gather", groups.streams)
+    scratch = groups.buffers.lease(input.device)
 
     def first():
         if not fmt.compressed:
@@ -150,7 +150,7 @@ def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, topology: To
         return [], finish
 
     used = (input, output) + ((hpz_shard.payload,) if hpz_shard is not None else ())
-    return launch(groups.in_flight, groups.host_blocking, stream, used, first, async_op)
+    return launch(groups.in_flight, stream, used, first, async_op)
 
 
 def hpz_all_gather(output: torch.Tensor, hpz_shard: HpzShard, topology: Topology | None = None,
@@ -183,8 +183,8 @@ def hpz_all_gather(output: torch.Tensor, hpz_shard: HpzShard, topology: Topology
         return CommHandle(lambda: None) if async_op else None
 
     groups = topology._groups
-    stream = comm_stream(output.device, "gather")
-    scratch = groups.buffers.lease(output.device, stream)
+    stream = comm_stream(output.device, "gather", groups.streams)
+    scratch = groups.buffers.lease(output.device)
 
     def first():
         if fmt.compressed:
@@ -201,4 +201,4 @@ def hpz_all_gather(output: torch.Tensor, hpz_shard: HpzShard, topology: Topology
             scratch.release()
         return [], finish
 
-    return launch(groups.in_flight, groups.host_blocking, stream, (hpz_shard.payload, output), first, async_op)
+    return launch(groups.in_flight, stream, (hpz_shard.payload, output), first, async_op)

@@ -59,6 +59,8 @@ def compressed_all_reduce(tensor: torch.Tensor, topology: Topology, codec: str |
         # The reduce-scatter read `padded` before writing `shard`, so it can receive the gather.
         quantized_all_gather(padded, shard, topology, codec=codec, tag=tag)
         if padded.data_ptr() != flat.data_ptr():
+            if padded.is_cuda:  # read on the waiting stream, allocated on the calling one
+                padded.record_stream(torch.cuda.current_stream(padded.device))
             flat.copy_(padded[:numel])
         if scratch is not None:
             scratch.release()

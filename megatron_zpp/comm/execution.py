@@ -1,26 +1,29 @@
 """How a compressed collective runs: every hop issued from the caller's thread, in call order,
-on a dedicated comm stream; scratch buffers tied to that stream.
+on a dedicated comm stream ordered with the caller's by CUDA events.
 
 A collective is a first step (encode, issue the first hop), zero or more middle steps (wait the
 previous hop, re-encode, issue the next hop: qgZ's inter-node hop) and a finish (wait the last
-hop, decode into the output, give the scratch back). Where each runs:
+hop, decode into the output). One path for every backend:
 
-- **Backends whose ``work.wait()`` only orders streams (NCCL):** all steps are enqueued at the call,
-  on the comm stream, after that stream has waited for the caller's current stream (the input is
-  ready). Nothing blocks the host; the returned handle's ``wait()`` makes the caller's current
-  stream wait for the call's done event. Hops reach NCCL in program order, identical on every rank.
-- **Backends whose ``wait()`` blocks the host (gloo, CPU tensors or CUDA tensors):** the first step
-  runs at the call; middle steps wait in this topology's FIFO and run at the next *progress point*:
-  the start of the next collective on the same topology, or ``wait()`` of this or a later handle.
-  Progress points are the same calls on every rank (SPMD), so hop 2 is issued at the same place
-  in every rank's sequence of collectives, whatever the host timing: no thread ever issues a
-  collective. ``finish`` runs at ``wait()``.
+- The first step runs at the call, on the comm stream, after that stream has waited for the
+  caller's current stream (the input is ready).
+- Middle steps wait in this topology's FIFO and run at the next *progress point*: the start of the
+  next collective on the same topology, or ``wait()`` of this or a later handle, oldest first.
+  Progress points are the same calls on every rank (SPMD), so every collective is issued at the
+  same place in every rank's sequence, whatever the host timing: no thread ever issues a
+  collective, and NCCL sees the same order on all ranks.
+- ``finish`` runs at ``wait()`` on the comm stream; the caller's current stream then waits for the
+  call's done event. With NCCL nothing here blocks the host (``work.wait()`` orders streams); with
+  gloo ``work.wait()`` blocks, which is why hop 2 is not waited at the call. Deferring the middle
+  step to the next call also keeps a "wait for hop 1" out of the stream queues until hop 1 has had
+  the time between two calls to finish (with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` a pending stream
+  wait can hold back other streams' kernels).
 
-Scratch buffers come from the topology's pool keyed by (size, device, stream). Every kernel and
-every collective that touches them is ordered on that one stream (NCCL's own stream is ordered
-with it by ``work.wait()`` before the buffer is given back), so returning a buffer at the end of
-a call's enqueued work is safe, as in PyTorch's caching allocator: the next user is later on the
-same stream. Caller tensors used on the comm stream are ``record_stream``-ed to it.
+Scratch memory: on CPU, the topology's pool (steady state allocates nothing). On CUDA, the caching
+allocator, with every scratch tensor allocated, used and dropped under the comm stream: its
+blocks are tied to that stream, so reuse is stream-ordered; NCCL's own stream is ordered before
+by ``work.wait()`` on the comm stream. Caller tensors used on the comm stream are
+``record_stream``-ed to it.
 """
 
 from __future__ import annotations
@@ -34,25 +37,33 @@ import torch.distributed as dist
 
 Step = Callable[[], None]
 
-# One comm stream per (device, role): gathers (weights) and reductions (gradients) overlap each
-# other, as FSDP2's all-gather and reduce-scatter streams do.
-_STREAMS: dict[tuple[int, str], torch.cuda.Stream] = {}
-
-
-def comm_stream(device: torch.device, role: str) -> torch.cuda.Stream | None:
-    """The dedicated stream of ``role`` ("gather" or "reduce") on a CUDA device; ``None`` on CPU."""
+def comm_stream(device: torch.device, role: str, streams: dict) -> torch.cuda.Stream | None:
+    """The dedicated stream of ``role`` ("gather" or "reduce") on a CUDA device, one per topology
+    (``streams`` is the topology's table), so weight gathers, gradient reductions and different
+    parallel dimensions overlap each other, as FSDP2's all-gather and reduce-scatter streams do;
+    ``None`` on CPU."""
     if device.type != "cuda":
         return None
     key = (device.index if device.index is not None else torch.cuda.current_device(), role)
-    stream = _STREAMS.get(key)
+    stream = streams.get(key)
     if stream is None:
-        stream = _STREAMS[key] = torch.cuda.Stream(device=key[0], priority=-1)
+        stream = streams[key] = torch.cuda.Stream(device=key[0], priority=-1)
     return stream
 
 
-def blocks_host(group: dist.ProcessGroup | None) -> bool:
-    """Whether ``work.wait()`` on ``group`` blocks the host (gloo, mpi) rather than ordering streams (NCCL)."""
-    return group is not None and dist.get_backend(group) != "nccl"
+def backend_name(group: dist.ProcessGroup | None, device: torch.device | str = "cpu") -> str:
+    """The backend that runs ``group``'s collectives on ``device``'s tensors: "gloo", "nccl", ...
+
+    A group with one backend per device type (``"cpu:gloo,cuda:nccl"``) is resolved by device."""
+    device = torch.device(device)
+    try:
+        name = str(dist.get_backend(group))
+    except ValueError:  # several backend implementations: ask for the device's
+        return group._get_backend(device).name().lower()
+    if ":" in name:
+        per_device = dict(part.split(":", 1) for part in name.split(","))
+        name = per_device.get(device.type, name)
+    return name.lower()
 
 
 @contextlib.contextmanager
@@ -73,12 +84,10 @@ def on_stream(stream: torch.cuda.Stream | None, tensors: tuple[torch.Tensor, ...
 
 
 class _Call:
-    __slots__ = ("middles", "finish", "stream", "done", "finished")
+    __slots__ = ("middles", "finish", "stream")
 
     def __init__(self, middles: list[Step], finish: Step, stream) -> None:
         self.middles, self.finish, self.stream = deque(middles), finish, stream
-        self.done = None
-        self.finished = False
 
     def issue_middles(self) -> None:
         with on_stream(self.stream):
@@ -105,10 +114,9 @@ class InFlight:
 
 
 class CommHandle:
-    """Returned by ``async_op=True`` calls. ``wait()`` finishes the collective: on the host-blocking
-    path it issues what is pending and decodes into the output; on the NCCL path it makes the
-    current stream wait for the enqueued work. The output must not be read before it. Waiting
-    twice is a no-op."""
+    """Returned by ``async_op=True`` calls. ``wait()`` finishes the collective: it issues what is
+    pending, decodes into the output and makes the caller's current stream wait for it. The output
+    must not be read before it. Waiting twice is a no-op."""
 
     def __init__(self, finish: Callable[[], None]) -> None:
         self._finish: Callable[[], None] | None = finish
@@ -123,7 +131,7 @@ class CommHandle:
         return self._finish is None
 
 
-def launch(in_flight: InFlight, host_blocking: bool, stream, tensors: tuple[torch.Tensor, ...],
+def launch(in_flight: InFlight, stream, tensors: tuple[torch.Tensor, ...],
            first: Callable[[], tuple[list[Step], Step]], async_op: bool) -> CommHandle | None:
     """Run a collective under the execution model above.
 
@@ -134,34 +142,18 @@ def launch(in_flight: InFlight, host_blocking: bool, stream, tensors: tuple[torc
     with on_stream(stream, tensors, after_caller=True):
         middles, finish = first()
     call = _Call(middles, finish, stream)
-    if not host_blocking:
-        # Everything is enqueued now; the host never waits.
-        with on_stream(stream):
-            call.issue_middles()
-            finish()
-        if stream is not None:
-            call.done = torch.cuda.Event()
-            call.done.record(stream)
-        call.finished = True
+    if call.middles:
+        in_flight._queue.append(call)
 
-        def complete() -> None:
-            if call.done is not None:
-                torch.cuda.current_stream(stream.device).wait_event(call.done)
-    else:
+    def complete() -> None:
         if call.middles:
-            in_flight._queue.append(call)
-
-        def complete() -> None:
-            if call.middles:
-                in_flight.progress(until=call)
-            with on_stream(stream):
-                call.finish()
-                if stream is not None:
-                    call.done = torch.cuda.Event()
-                    call.done.record(stream)
-            call.finished = True
-            if call.done is not None:
-                torch.cuda.current_stream(stream.device).wait_event(call.done)
+            in_flight.progress(until=call)
+        with on_stream(stream):
+            call.finish()
+        if stream is not None:
+            done = torch.cuda.Event()
+            done.record(stream)
+            torch.cuda.current_stream(stream.device).wait_event(done)
 
     handle = CommHandle(complete)
     if async_op:

@@ -12,7 +12,7 @@ import torch
 
 from megatron_zpp.compression import get_codec, layout, ops
 from megatron_zpp.compression.blockwise import BlockwiseQuantCodec
-from megatron_zpp.comm._common import FLOAT_DTYPES, VALID_COMM_CODECS, site_seed
+from megatron_zpp.comm._common import FLOAT_DTYPES, VALID_COMM_CODECS, next_site_seed
 from megatron_zpp.comm.stats import comm_stats
 
 
@@ -24,7 +24,7 @@ class P2PCodec:
         if not isinstance(codec, BlockwiseQuantCodec):
             raise ValueError(f"pipeline p2p codec {spec!r} is not supported; valid: {VALID_COMM_CODECS}")
         self.codec, self.bits, self.block = codec, codec.bits, codec.block
-        self._calls: dict[str, int] = {}  # call site -> sends so far (stochastic rounding seeds)
+        self._calls: dict = {}  # call site -> sends so far in this rounding epoch
 
     def payload_bytes(self, numel: int) -> int:
         return layout.row_bytes(numel, self.bits, self.block)
@@ -37,8 +37,7 @@ class P2PCodec:
         payload = torch.empty(1, self.payload_bytes(t.numel()), dtype=torch.uint8, device=t.device)
         seed = 0
         if self.codec.stochastic:
-            n = self._calls[site] = self._calls.get(site, 0) + 1
-            seed = site_seed(self.codec.seed, site, n, rank)
+            seed = next_site_seed(self._calls, self.codec.seed, site, rank)
         ops.quantize_rows_(t.detach().contiguous().view(-1), payload, self.bits, self.block,
                            self.codec.stochastic, seed)
         return payload.view(-1)

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_zpp.comm._common import check_pair, reduce_divisor
+from megatron_zpp.comm.execution import backend_name
 from megatron_zpp.comm.stats import comm_stats
 from megatron_zpp.comm.topology import Topology, _GroupInfo, group_layout
 
@@ -19,12 +20,13 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 def record_torch_collective(tag: str, kind: str, group: dist.ProcessGroup | None, chunk_bytes: int,
-                            ranks_per_node: int | None = None) -> None:
+                            ranks_per_node: int | None = None, device: torch.device | str = "cpu") -> None:
     """Record one torch collective over ``group`` from sizes alone (no group is created, nothing is
     sent); ``chunk_bytes`` is one rank's shard (all-gather input, reduce-scatter output) or
-    ``tensor bytes / size`` for an all-reduce. ``ranks_per_node``: see :func:`group_layout`."""
+    ``tensor bytes / size`` for an all-reduce, of tensors on ``device``. ``ranks_per_node``: see
+    :func:`group_layout`."""
     _record(tag, kind, group_layout(group, ranks_per_node), chunk_bytes,
-            gloo=dist.get_backend(group) == "gloo")
+            gloo=backend_name(group, device) == "gloo")
 
 
 def _record(tag: str, kind: str, layout: _GroupInfo, chunk_bytes: int, gloo: bool) -> None:
@@ -46,7 +48,7 @@ def torch_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: To
     flat = topology._groups.flat
     divisor = reduce_divisor(op, topology.size, what)
     _record(tag, "reduce_scatter", flat, output.numel() * output.element_size(),
-            gloo=flat.group is not None and dist.get_backend(flat.group) == "gloo")
+            gloo=flat.group is not None and backend_name(flat.group, output.device) == "gloo")
     if flat.group is None:
         output.copy_(input.view(output.shape))
     else:

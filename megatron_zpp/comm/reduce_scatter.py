@@ -107,10 +107,10 @@ def qgz_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topo
                         uncompressed=_hop_bytes(topology, stages, raw_row, raw_row))
     run = _compressed if inter_fmt.compressed else _uncompressed
     groups = topology._groups
-    stream = comm_stream(input.device, "reduce")
-    scratch = groups.buffers.lease(input.device, stream)
+    stream = comm_stream(input.device, "reduce", groups.streams)
+    scratch = groups.buffers.lease(input.device)
     site = f"{tag}/qgz"
-    return launch(groups.in_flight, groups.host_blocking, stream, (input, output),
+    return launch(groups.in_flight, stream, (input, output),
                   lambda: run(output, input, topology, intra_fmt, inter_fmt, stages, slice_len, divisor, scratch,
                               site), async_op)
 

@@ -22,12 +22,13 @@ rank builds its Topologies in the same order. Groups are cached per
 from __future__ import annotations
 
 import os
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from megatron_zpp.comm.execution import InFlight, blocks_host
+from megatron_zpp.comm.execution import InFlight
 
 
 @dataclass
@@ -86,10 +87,9 @@ class _TopologyGroups:
     intra: _GroupInfo
     inter: _GroupInfo
     hpz: _GroupInfo
-    # Whether work.wait() blocks the host on these groups (gloo): later hops are then issued at
-    # progress points (execution.py); with NCCL everything is enqueued at the call.
-    host_blocking: bool = False
+    # Calls whose later hops wait for a progress point, and this topology's comm streams (execution.py).
     in_flight: InFlight = field(default_factory=InFlight, repr=False)
+    streams: dict = field(default_factory=dict, repr=False)
     buffers: BufferPool = field(default_factory=lambda: BufferPool(), repr=False)
     codecs: dict = field(default_factory=dict, repr=False)  # spec -> WireFormat
     agreed: set = field(default_factory=set, repr=False)  # settings checked across ranks
@@ -225,8 +225,7 @@ class Topology:
             return _GroupInfo(g, tuple(node_of[i] for i in indices), indices.index(self.rank))
 
         flat = info(list(range(self.size)))
-        groups = _TopologyGroups(flat=flat, intra=info(intra_idx), inter=info(inter_idx), hpz=info(hpz_idx),
-                                 host_blocking=blocks_host(flat.group))
+        groups = _TopologyGroups(flat=flat, intra=info(intra_idx), inter=info(inter_idx), hpz=info(hpz_idx))
         _GROUP_CACHE[key] = groups
         return groups
 
@@ -265,69 +264,84 @@ DEFAULT_POOL_CACHE_BYTES = int(os.environ.get("ZPP_POOL_CACHE_MB", "2048")) << 2
 
 
 class BufferPool:
-    """Reusable uint8 scratch buffers, keyed by exact size, device and stream, with a bounded cache.
+    """Reusable uint8 scratch buffers for CPU tensors, keyed by exact size and device, bounded.
 
     A collective takes its scratch buffers through a :class:`Scratch` lease at the call and gives
-    them back when its work is done (enqueued, on CUDA), so several calls may be in flight
-    (Megatron issues every bucket before waiting on any) and steady-state training, whose buckets
-    repeat sizes every iteration, allocates nothing on the comm path. A buffer is only ever used
-    on the stream it is keyed by (see ``execution.py``), so reuse is ordered by that stream.
-    At most ``max_cached_bytes`` of free buffers are kept (``ZPP_POOL_CACHE_MB``, default 2048);
-    beyond that, returned buffers are freed. ``release()`` frees every cached buffer.
+    them back at ``wait()``, so several calls may be in flight (Megatron issues every bucket before
+    waiting on any) and steady-state training, whose buckets repeat sizes every iteration,
+    allocates nothing on the comm path. At most ``max_cached_bytes`` of free buffers are kept
+    (``ZPP_POOL_CACHE_MB``, default 2048); beyond that the least recently returned are freed.
+    ``release()`` frees them all. CUDA scratch does not come from here: the caching allocator,
+    used under the comm stream, ties each block to that stream (``execution.py``).
     """
 
     def __init__(self, max_cached_bytes: int = DEFAULT_POOL_CACHE_BYTES) -> None:
         self._free: dict[tuple, list[torch.Tensor]] = {}
+        self._order: deque[tuple[tuple, torch.Tensor]] = deque()  # least recently returned first
         self.max_cached_bytes = max_cached_bytes
         self.cached_bytes = 0  # free buffers held now
         self.allocated_bytes = 0  # ever allocated; flat in steady state
 
-    @staticmethod
-    def _key(nbytes: int, device: torch.device, stream) -> tuple:
-        return nbytes, device, None if stream is None else stream.cuda_stream
-
-    def take(self, nbytes: int, device: torch.device, stream=None) -> torch.Tensor:
-        free = self._free.get(self._key(nbytes, device, stream))
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        key = (nbytes, device)
+        free = self._free.get(key)
         if free:
+            buf = free.pop()
+            self._forget(key, buf)
             self.cached_bytes -= nbytes
-            return free.pop()
+            return buf
         self.allocated_bytes += nbytes
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
-    def give(self, buffer: torch.Tensor, stream=None) -> None:
-        nbytes = buffer.numel()
-        if self.cached_bytes + nbytes > self.max_cached_bytes:
-            return  # dropped: the allocator gets it back
-        self._free.setdefault(self._key(nbytes, buffer.device, stream), []).append(buffer)
-        self.cached_bytes += nbytes
+    def give(self, buffer: torch.Tensor) -> None:
+        key = (buffer.numel(), buffer.device)
+        self._free.setdefault(key, []).append(buffer)
+        self._order.append((key, buffer))
+        self.cached_bytes += buffer.numel()
+        while self.cached_bytes > self.max_cached_bytes and self._order:
+            old_key, old = self._order.popleft()
+            self._free[old_key] = [b for b in self._free[old_key] if b is not old]
+            self.cached_bytes -= old.numel()
+
+    def _forget(self, key: tuple, buf: torch.Tensor) -> None:
+        for i, (k, b) in enumerate(self._order):
+            if b is buf:
+                del self._order[i]
+                return
 
     def release(self) -> None:
         """Free every cached buffer (e.g. before evaluation or a checkpoint, or to cap memory)."""
         self._free.clear()
+        self._order.clear()
         self.cached_bytes = 0
 
     clear = release
 
-    def lease(self, device: torch.device, stream=None) -> Scratch:
-        return Scratch(self, device, stream)
+    def lease(self, device: torch.device) -> Scratch:
+        return Scratch(self, device)
 
 
 class Scratch:
-    """The scratch buffers of one call, all on one device and stream; ``release()`` gives them back."""
+    """The scratch buffers of one call; ``release()`` gives the pooled ones back.
 
-    __slots__ = ("_pool", "_device", "_stream", "_taken")
+    On CUDA every take is a fresh allocation from the caching allocator on the current stream (the
+    comm stream, when called from a collective's steps): dropping the last reference returns it there."""
 
-    def __init__(self, pool: BufferPool, device: torch.device, stream) -> None:
-        self._pool, self._device, self._stream, self._taken = pool, device, stream, []
+    __slots__ = ("_pool", "_device", "_taken")
+
+    def __init__(self, pool: BufferPool, device: torch.device) -> None:
+        self._pool, self._device, self._taken = pool, device, []
 
     def take(self, nbytes: int) -> torch.Tensor:
-        buf = self._pool.take(nbytes, self._device, self._stream)
+        if self._device.type == "cuda":
+            return torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+        buf = self._pool.take(nbytes, self._device)
         self._taken.append(buf)
         return buf
 
     def release(self) -> None:
         for buf in self._taken:
-            self._pool.give(buf, self._stream)
+            self._pool.give(buf)
         self._taken = []
 
 

@@ -14,7 +14,7 @@ The CPU shim (``cpu_shim.py``) is only for machines without a GPU.
 """
 
 from megatron_zpp.megatron.hooks import MegatronHooks
-from megatron_zpp.policy import add_zpp_args, check_policy_agreement, resolve_policy, zpp_config_from_args
+from megatron_zpp.policy import add_zpp_args, resolve_policy, zpp_config_from_args
 
 
 def zpp_extra_args_provider(parser):
@@ -23,20 +23,19 @@ def zpp_extra_args_provider(parser):
 
 
 def hooks_from_args(args) -> MegatronHooks:
-    """Resolve the policy from parsed ``--zpp-*`` args and check it across ranks; the hooks, not installed.
+    """Resolve the policy from parsed ``--zpp-*`` args; the hooks, not installed.
 
     The dp.grad schedule follows Megatron-LM's own iteration counter: ``args.curr_iteration``
     out of ``args.train_iters`` (both set by ``megatron.training`` before each step), read before
     every gradient reduction.
     """
+    # Checked across ranks by MegatronHooks.sync_iteration at the first step or hooked collective:
+    # Megatron-LM initializes torch.distributed only inside pretrain(), after this call.
     policy = resolve_policy(zpp_config_from_args(args))
-    check_policy_agreement(policy)
-    if policy.dp_grad_until < 1.0 and not getattr(args, "train_iters", None):
-        raise ValueError(f"--zpp-dp-grad-until {policy.dp_grad_until} needs args.train_iters (Megatron-LM sets it "
-                         f"from --train-iters or --train-samples); it is {getattr(args, 'train_iters', None)!r}")
 
-    def megatron_lm_iteration() -> tuple[int, int]:
-        return getattr(args, "curr_iteration", 0) or 0, args.train_iters
+    def megatron_lm_iteration() -> tuple[int, int | None]:
+        # train_iters: set by Megatron-LM from --train-iters, or from --train-samples inside pretrain().
+        return getattr(args, "curr_iteration", 0) or 0, getattr(args, "train_iters", None)
 
     return MegatronHooks(policy, ranks_per_node=args.zpp_ranks_per_node, iteration_source=megatron_lm_iteration)
 

@@ -1,18 +1,18 @@
 """Install a compression policy into Megatron-Core's data-parallel gradient and parameter collectives.
 
-Megatron's ``_ParamAndGradBucketGroup`` issues one collective per bucket from four methods:
-``start_grad_sync`` (reduce-scatter with the distributed optimizer through the module global
-``dist_reduce_scatter_func``, else ``torch.distributed.all_reduce``), ``finish_grad_sync``,
-``start_param_sync`` (in-place all-gather through ``dist_all_gather_func``) and
-``finish_param_sync``. We wrap those four methods. While a ``start_*`` method runs, the
-collective it looks up is routed to ours (qgZ, the compressed all-reduce, qwZ) for this
-bucket group only; the handles ours return are kept on the bucket group and waited in the
-matching ``finish_*`` (Megatron itself keeps the coalescing manager's handle, which knows
-nothing of ours). Megatron's code, its bucketing, overlap and ``_coalescing_manager`` blocks
-stay as they are.
+Megatron's ``_ParamAndGradBucketGroup`` issues one collective per bucket from ``start_grad_sync``
+(reduce-scatter with the distributed optimizer through the module global
+``dist_reduce_scatter_func``, else ``torch.distributed.all_reduce``) and ``start_param_sync``
+(in-place all-gather through ``dist_all_gather_func``). We wrap those two methods. While one
+runs, the collective it looks up is routed to ours (qgZ, the compressed all-reduce, qwZ) for
+that bucket group only; the handles ours return are chained behind Megatron's own in
+``grad_reduce_handle`` / ``param_gather_handle``, so Megatron waits them wherever it waits its
+collectives (``finish_grad_sync``, ``finish_param_sync``, a forced sync). Megatron's code, its
+bucketing, overlap and ``_coalescing_manager`` blocks stay as they are.
 
 With a ``none`` codec the wrapper calls Megatron's original collective unchanged and only
-records its bytes, so the ``none`` policy trains bit-identically to Megatron without the plugin.
+records its bytes from sizes (no topology, no process group), so the ``none`` policy trains
+bit-identically to Megatron without the plugin.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_zpp.comm import (HpzShard, Topology, compressed_all_reduce, hpz_all_gather, qgz_reduce_scatter,
-                               quantized_all_gather, record_torch_collective)
-from megatron_zpp.policy import Policy
+                               quantized_all_gather, record_torch_collective, set_rounding_epoch)
+from megatron_zpp.policy import Policy, check_policy_agreement
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,8 @@ class MegatronHooks:
                  iteration_source: Callable[[], tuple[int, int]] | None = None) -> None:
         self.policy = policy
         self.iteration_source = iteration_source
+        self._iteration: int | None = None
+        self._policy_agreed = False
         self.ranks_per_node = ranks_per_node or policy.ranks_per_node
         self.grad_codec = policy.codec("dp.grad")
         self._topologies: dict[tuple, Topology] = {}
@@ -64,9 +66,26 @@ class MegatronHooks:
         compress = iteration < self.policy.dp_grad_until * train_iters
         self.grad_codec = self.policy.codec("dp.grad") if compress else "none"
 
-    def _apply_schedule(self) -> None:
-        if self.iteration_source is not None and self.policy.dp_grad_until < 1.0:
-            self.set_iteration(*self.iteration_source())
+    def sync_iteration(self) -> None:
+        """Read the iteration from ``iteration_source``; on a new one, apply the dp.grad schedule,
+        restart the stochastic-rounding seed streams at it (reproducible across reruns and
+        resumes) and, once, check the policy across ranks (Megatron-LM installs the hooks
+        before it initializes torch.distributed). Called before every routed collective and,
+        by ``pretrain_gpt.py``, at the start of every iteration."""
+        if not self._policy_agreed and dist.is_initialized():
+            check_policy_agreement(self.policy)
+            self._policy_agreed = True
+        if self.iteration_source is None:
+            return
+        iteration, train_iters = self.iteration_source()
+        if iteration != self._iteration:
+            self._iteration = iteration
+            set_rounding_epoch(iteration)
+            if self.policy.dp_grad_until < 1.0:
+                if not train_iters:
+                    raise ValueError(f"--zpp-dp-grad-until {self.policy.dp_grad_until} needs the number of "
+                                     f"training iterations; it is {train_iters!r}")
+                self.set_iteration(iteration, train_iters)
 
     # ------------------------------------------------------------------ topology
     def topology(self, group, hpz: bool = False) -> Topology:
@@ -115,7 +134,7 @@ class MegatronHooks:
 
         def start_grad_sync(bucket_group, force_all_reduce=False):
             hooks._check_supported(bucket_group)
-            hooks._apply_schedule()
+            hooks.sync_iteration()
             with hooks._route_grad_collectives(pgb, bucket_group) as ours:
                 result = originals["start_grad_sync"](bucket_group, force_all_reduce)
             # Megatron waits grad_reduce_handle in finish_grad_sync before it reads the bucket
@@ -124,6 +143,7 @@ class MegatronHooks:
             return result
 
         def start_param_sync(bucket_group, force_sync=False):
+            hooks.sync_iteration()
             with hooks._route_param_gather(pgb, bucket_group) as ours:
                 result = originals["start_param_sync"](bucket_group, force_sync)
             # finish_param_sync (and a forced sync) wait param_gather_handle before the forward
@@ -160,6 +180,7 @@ class MegatronHooks:
         self._saved_fsdp = (gather_cls, reduce_cls, buffer_cls, originals)
 
         def async_bucket_gather(pipeline, bucket_id, bwd):
+            hooks.sync_iteration()
             with hooks._route_fsdp_gather(pipeline, bucket_id, bwd):
                 return originals["async_bucket_gather"](pipeline, bucket_id, bwd)
 
@@ -172,7 +193,7 @@ class MegatronHooks:
             return originals["wait_bucket_ready"](pipeline, bucket_id, bwd, *args, **kwargs)
 
         def bucket_group_gradient_reduce(pipeline, bucket_group, *args, **kwargs):
-            hooks._apply_schedule()
+            hooks.sync_iteration()
             buffers = [pipeline.get_fsdp_buffer(b) for b in bucket_group]
             with hooks._route_fsdp_reduce(buffers):
                 return originals["_bucket_group_gradient_reduce"](pipeline, bucket_group, *args, **kwargs)
@@ -198,13 +219,17 @@ class MegatronHooks:
                 return original(output_tensor, input_tensor, group=group, async_op=async_op)
             tag = PARAM_BWD_TAG if bwd else PARAM_TAG
             if codec == "none" and not hooks.hpz_enabled:
-                hooks._record_torch(tag, "all_gather", group, input_tensor.numel() * input_tensor.element_size())
+                hooks._record_torch(tag, "all_gather", group, input_tensor.numel() * input_tensor.element_size(),
+                                    input_tensor.device)
                 return original(output_tensor, input_tensor, group=group, async_op=async_op)
             topo = hooks.topology(group, hpz=hooks.hpz_enabled)
             shard = hooks._hpz_shard(pipeline, bucket_id, input_tensor, topo, codec) if hooks.hpz_enabled else None
             key = (id(pipeline), pipeline.get_bucket_key(bucket_id, bwd))
             if bwd and shard is not None and shard.valid:
                 handle = hpz_all_gather(output_tensor, shard, topo, async_op=True, tag=tag)
+                if not async_op:
+                    handle.wait()
+                    return None
                 hooks._pending_gathers[key] = handle
                 return handle
             # Forward (or a backward gather with no fresh secondary copy): the full qwZ gather,
@@ -257,7 +282,8 @@ class MegatronHooks:
     def _reduce_scatter_grads(self, original, output, input, op, group, async_op):
         """``(result, handle)``: Megatron's own reduce-scatter, recorded, for ``none``; else qgZ."""
         if self.grad_codec == "none":
-            self._record_torch(GRAD_TAG, "reduce_scatter", group, output.numel() * output.element_size())
+            self._record_torch(GRAD_TAG, "reduce_scatter", group, output.numel() * output.element_size(),
+                               output.device)
             return original(output, input, op=op, group=group, async_op=async_op), None
         return None, qgz_reduce_scatter(output, input, self.topology(group), codec=self.grad_codec, op=_op_name(op),
                                         async_op=async_op, tag=GRAD_TAG, intra_codec=self.policy.dp_grad_intra,
@@ -267,15 +293,16 @@ class MegatronHooks:
         """``(result, handle)``: Megatron's own all-reduce, recorded, for ``none``; else the compressed one."""
         if self.grad_codec == "none":
             size = dist.get_world_size(group)
-            self._record_torch(GRAD_TAG, "all_reduce", group, tensor.numel() * tensor.element_size() // size)
+            self._record_torch(GRAD_TAG, "all_reduce", group, tensor.numel() * tensor.element_size() // size,
+                               tensor.device)
             return original(tensor, op=op, group=group, async_op=async_op), None
         return None, compressed_all_reduce(tensor, self.topology(group), codec=self.grad_codec, op=_op_name(op), async_op=async_op,
                                            tag=GRAD_TAG, intra_codec=self.policy.dp_grad_intra,
                                            stages=self.policy.qgz_stages)
 
-    def _record_torch(self, tag: str, kind: str, group, chunk_bytes: int) -> None:
+    def _record_torch(self, tag: str, kind: str, group, chunk_bytes: int, device) -> None:
         """Bytes of one of Megatron's own collectives, from sizes only: no topology, no process group."""
-        record_torch_collective(tag, kind, group, chunk_bytes, self.ranks_per_node)
+        record_torch_collective(tag, kind, group, chunk_bytes, self.ranks_per_node, device)
 
     def _is_private(self, group) -> bool:
         """Whether ``group`` is one of our topologies' own groups (never routed again)."""
@@ -358,7 +385,7 @@ class MegatronHooks:
 
         def all_gather(output, input, group=None, async_op=False):
             if codec == "none":
-                hooks._record_torch(PARAM_TAG, "all_gather", group, input.numel() * input.element_size())
+                hooks._record_torch(PARAM_TAG, "all_gather", group, input.numel() * input.element_size(), input.device)
                 return original_ag(output, input, group=group, async_op=async_op)
             handle = quantized_all_gather(output, input, hooks.topology(group), codec=codec, async_op=async_op,
                                           tag=PARAM_TAG)

@@ -212,6 +212,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         losses = []
         for iteration in range(start_iteration, args.train_iters):
             args.curr_iteration = iteration
+            hooks.sync_iteration()  # schedule and rounding seeds for this step, before any collective
             t0 = time.perf_counter()
             for m in models:
                 m.zero_grad_buffer()
