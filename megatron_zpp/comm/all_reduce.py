@@ -35,22 +35,15 @@ def compressed_all_reduce(tensor: torch.Tensor, topology: Topology, codec: str |
     elt = tensor.element_size()
     flat = tensor.view(-1)
     # The padded copy and the shard cross streams on CUDA (caller -> reduce -> gather -> caller):
-    # there they come from the caching allocator, which the collectives' record_stream keeps safe;
-    # on CPU (no streams) from the topology's pool.
-    scratch = topology.buffers.lease(tensor.device) if not tensor.is_cuda else None
-
-    def take(nbytes: int) -> torch.Tensor:
-        if scratch is None:
-            return torch.empty(nbytes, dtype=torch.uint8, device=tensor.device)
-        return scratch.take(nbytes)
-
+    # a lease gives caching-allocator memory there, kept safe by the collectives' record_stream.
+    scratch = topology.buffers.lease(tensor.device)
     if chunk * size != numel:
-        padded = take(chunk * size * elt).view(tensor.dtype)
+        padded = scratch.take(chunk * size * elt).view(tensor.dtype)
         padded[numel:].zero_()
         padded[:numel].copy_(flat)
     else:
         padded = flat
-    shard = take(max(chunk, 1) * elt).view(tensor.dtype)[:chunk]
+    shard = scratch.take(max(chunk, 1) * elt).view(tensor.dtype)[:chunk]
     rs = qgz_reduce_scatter(shard, padded, topology, codec=codec, op=op, async_op=True, tag=tag,
                             intra_codec=intra_codec, stages=stages)
 
@@ -62,8 +55,7 @@ def compressed_all_reduce(tensor: torch.Tensor, topology: Topology, codec: str |
             if padded.is_cuda:  # read on the waiting stream, allocated on the calling one
                 padded.record_stream(torch.cuda.current_stream(padded.device))
             flat.copy_(padded[:numel])
-        if scratch is not None:
-            scratch.release()
+        scratch.release()
 
     if async_op:
         return CommHandle(finish)

@@ -48,7 +48,7 @@ def torch_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: To
     flat = topology._groups.flat
     divisor = reduce_divisor(op, topology.size, what)
     _record(tag, "reduce_scatter", flat, output.numel() * output.element_size(),
-            gloo=flat.group is not None and backend_name(flat.group, output.device) == "gloo")
+            gloo=backend_name(flat.group, output.device) == "gloo")
     if flat.group is None:
         output.copy_(input.view(output.shape))
     else:

@@ -115,14 +115,6 @@ def ranks_per_node_from_env() -> int | None:
         raise ValueError(f"cannot read ranks per node from LOCAL_WORLD_SIZE={value!r}") from None
 
 
-def _ranks_per_node_from_env() -> int:
-    value = ranks_per_node_from_env()
-    if value is None:
-        raise ValueError("ranks_per_node was not given and LOCAL_WORLD_SIZE is not set; pass "
-                         "Topology(..., ranks_per_node=N) with the number of ranks per node")
-    return value
-
-
 _LAYOUT_CACHE: dict[tuple, _GroupInfo] = {}
 
 
@@ -168,7 +160,10 @@ class Topology:
         group = group if group is not None else dist.group.WORLD
         members = dist.get_process_group_ranks(group)
         if ranks_per_node is None:
-            ranks_per_node = _ranks_per_node_from_env()
+            ranks_per_node = ranks_per_node_from_env()
+            if ranks_per_node is None:
+                raise ValueError("ranks_per_node was not given and LOCAL_WORLD_SIZE is not set; pass "
+                                 "Topology(..., ranks_per_node=N) with the number of ranks per node")
         if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
             raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive integer")
 
@@ -287,7 +282,7 @@ class BufferPool:
         free = self._free.get(key)
         if free:
             buf = free.pop()
-            self._forget(key, buf)
+            self._forget(buf)
             self.cached_bytes -= nbytes
             return buf
         self.allocated_bytes += nbytes
@@ -303,8 +298,8 @@ class BufferPool:
             self._free[old_key] = [b for b in self._free[old_key] if b is not old]
             self.cached_bytes -= old.numel()
 
-    def _forget(self, key: tuple, buf: torch.Tensor) -> None:
-        for i, (k, b) in enumerate(self._order):
+    def _forget(self, buf: torch.Tensor) -> None:
+        for i, (_, b) in enumerate(self._order):
             if b is buf:
                 del self._order[i]
                 return

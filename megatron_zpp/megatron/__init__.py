@@ -6,8 +6,8 @@ For users of Megatron-LM's own ``pretrain_gpt.py``::
     args = parse_and_validate_args(extra_args_provider=zpp_extra_args_provider)
     install_from_args(args)   # before pretrain() builds DDP and the optimizer
 
-``install_from_args`` also applies the ``--zpp-dp-grad-until`` schedule: before every gradient
-reduction it reads ``args.curr_iteration`` (set by Megatron-LM's training loop on the global args
+``install_from_args`` also applies the ``--zpp-dp-grad-until`` schedule: before every hooked
+collective it reads ``args.curr_iteration`` (set by Megatron-LM's training loop on the global args
 object that ``parse_and_validate_args`` returned) and ``args.train_iters``.
 
 The CPU shim (``cpu_shim.py``) is only for machines without a GPU.
@@ -27,7 +27,7 @@ def hooks_from_args(args) -> MegatronHooks:
 
     The dp.grad schedule follows Megatron-LM's own iteration counter: ``args.curr_iteration``
     out of ``args.train_iters`` (both set by ``megatron.training`` before each step), read before
-    every gradient reduction.
+    every hooked collective.
     """
     # Checked across ranks by MegatronHooks.sync_iteration at the first step or hooked collective:
     # Megatron-LM initializes torch.distributed only inside pretrain(), after this call.

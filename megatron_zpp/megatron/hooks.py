@@ -41,9 +41,9 @@ class MegatronHooks:
             ``model_parallel.ModelParallelHooks``).
         ranks_per_node: for the topology of each data-parallel group (default: the policy's, then
             ``LOCAL_WORLD_SIZE``).
-        iteration_source: returns ``(iteration, train_iters)`` when called; the dp.grad schedule
-            (``dp_grad_until``) is applied from it before every gradient reduction. Without it
-            the training loop calls :meth:`set_iteration` itself (``pretrain_gpt.py`` does).
+        iteration_source: returns ``(iteration, train_iters)`` when called; read by
+            :meth:`sync_iteration` before every routed collective (the dp.grad schedule, the
+            rounding seeds). Without it, call :meth:`set_iteration` yourself.
     """
 
     def __init__(self, policy: Policy, ranks_per_node: int | None = None,

@@ -28,11 +28,8 @@ class ReplicaCheckResult:
 
     uses_compared: int = 0
     iterations: int = 0
-    mismatches: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.mismatches and self.uses_compared > 0
+    mismatch_count: int = 0
+    mismatches: list[str] = field(default_factory=list)  # the first ``max_reported``
 
 
 def _digest(params: list[torch.Tensor]) -> str:
@@ -61,7 +58,6 @@ class ReplicaWeightCheck:
         self.result = ReplicaCheckResult()
         self._uses: list[tuple[str, str, str]] = []  # (module, phase, digest) in order of use
         self._handles = []
-        self._mismatch_count = 0
         for c, model in enumerate(models):
             for name, module in model.named_modules():
                 params = list(module.parameters(recurse=False))
@@ -108,13 +104,9 @@ class ReplicaWeightCheck:
                                  f"different weights")
 
     def _report(self, message: str) -> None:
-        self._mismatch_count += 1
+        self.result.mismatch_count += 1
         if len(self.result.mismatches) < self.max_reported:
             self.result.mismatches.append(message)
-
-    @property
-    def mismatch_count(self) -> int:
-        return self._mismatch_count
 
     def remove(self) -> None:
         for h in self._handles:

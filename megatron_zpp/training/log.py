@@ -141,7 +141,7 @@ class IterationLogger:
             "finite": finite,
             "hpz_bytes_per_rank": hooks.hpz_bytes if hooks is not None else 0,
             "replica_check": None if replica_check is None else {
-                "uses_compared": replica_check.result.uses_compared, "mismatches": replica_check.mismatch_count,
+                "uses_compared": replica_check.result.uses_compared, "mismatches": replica_check.result.mismatch_count,
                 "first_mismatches": replica_check.result.mismatches},
         }
         self.log(f"> summary: {len(losses)} iterations, lm loss {summary['first_loss']:.4f} -> "
