@@ -18,16 +18,18 @@ from megatron_zpp.comm.all_gather import HpzShard, hpz_all_gather, quantized_all
 from megatron_zpp.comm.all_reduce import compressed_all_reduce
 from megatron_zpp.comm.passthrough import record_torch_collective, torch_reduce_scatter
 from megatron_zpp.comm.reduce_scatter import qgz_reduce_scatter, ring_reduce_scatter
-from megatron_zpp.comm.stats import CommStats, TagStats, comm_stats
+from megatron_zpp.comm.stats import CommStats, CommTimers, TagStats, comm_stats, comm_timers
 from megatron_zpp.comm.topology import Topology, release_buffers
 
 __all__ = [
     "CommHandle",
     "CommStats",
+    "CommTimers",
     "HpzShard",
     "TagStats",
     "Topology",
     "comm_stats",
+    "comm_timers",
     "compressed_all_reduce",
     "hpz_all_gather",
     "qgz_reduce_scatter",

@@ -13,6 +13,7 @@ from megatron_zpp.compression import Codec, get_codec
 from megatron_zpp.compression.blockwise import BlockwiseQuantCodec
 from megatron_zpp.compression.identity import IdentityCodec
 from megatron_zpp.comm.execution import CommHandle  # noqa: F401  (re-exported)
+from megatron_zpp.comm.stats import comm_timers
 from megatron_zpp.comm.topology import Topology
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -163,3 +164,27 @@ def reduce_divisor(op, size: int, what: str) -> int:
     if name == "sum":
         return 1
     raise ValueError(f"{what}: op={op!r} is not supported; valid: 'mean', 'sum' (ReduceOp.AVG, ReduceOp.SUM)")
+
+
+class _TimedOps:
+    """``megatron_zpp.compression.ops`` with every call's host time added to ``comm_timers().codec_s``
+    (the step-time breakdown's codec share)."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, object] = {}
+
+    def __getattr__(self, name: str):
+        fn = self._cache.get(name)
+        if fn is None:
+            from megatron_zpp.compression import ops
+
+            raw = getattr(ops, name)
+
+            def fn(*args, **kwargs):
+                with comm_timers().codec():
+                    return raw(*args, **kwargs)
+            self._cache[name] = fn
+        return fn
+
+
+codec_ops = _TimedOps()

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_zpp.compression import Codec, layout, ops
-from megatron_zpp.comm._common import CommHandle, WireFormat, agree, check_float, check_pair, wait, wire_format
+from megatron_zpp.compression import Codec, layout
+from megatron_zpp.comm._common import (CommHandle, WireFormat, agree, check_float, check_pair, codec_ops, wait,
+                                      wire_format)
 from megatron_zpp.comm.execution import comm_stream, launch
 from megatron_zpp.comm.stats import comm_stats
 from megatron_zpp.comm.topology import Topology
@@ -136,14 +137,14 @@ def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, topology: To
             return [], finish
         payload = scratch.take(rb)
         gathered = scratch.take(size * rb)
-        ops.quantize_rows_(input.view(-1), payload.view(1, rb), fmt.bits, fmt.block, fmt.stochastic,
+        codec_ops.quantize_rows_(input.view(-1), payload.view(1, rb), fmt.bits, fmt.block, fmt.stochastic,
                            fmt.seed(topology.rank, f"{tag}/qwz"))
         work = flat.all_gather(gathered, payload)
 
         def finish() -> None:
             wait(work)
             rows = gathered.view(size, rb)
-            ops.dequantize_rows_(rows, output.view(-1), fmt.bits, fmt.block)
+            codec_ops.dequantize_rows_(rows, output.view(-1), fmt.bits, fmt.block)
             if hpz_shard is not None:
                 hpz_shard._fill_from(rows)
             scratch.release()
@@ -196,7 +197,7 @@ def hpz_all_gather(output: torch.Tensor, hpz_shard: HpzShard, topology: Topology
         def finish() -> None:
             wait(work)
             if fmt.compressed:
-                ops.dequantize_rows_(gathered.view(size, hpz_shard.row_bytes), output.view(-1),
+                codec_ops.dequantize_rows_(gathered.view(size, hpz_shard.row_bytes), output.view(-1),
                                      fmt.bits, fmt.block)
             scratch.release()
         return [], finish

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_zpp.compression import get_codec, layout, ops
+from megatron_zpp.compression import get_codec, layout
 from megatron_zpp.compression.blockwise import BlockwiseQuantCodec
-from megatron_zpp.comm._common import FLOAT_DTYPES, VALID_COMM_CODECS, next_site_seed
+from megatron_zpp.comm._common import FLOAT_DTYPES, VALID_COMM_CODECS, codec_ops, next_site_seed
 from megatron_zpp.comm.stats import comm_stats
 
 
@@ -38,7 +38,7 @@ class P2PCodec:
         seed = 0
         if self.codec.stochastic:
             seed = next_site_seed(self._calls, self.codec.seed, site, rank)
-        ops.quantize_rows_(t.detach().contiguous().view(-1), payload, self.bits, self.block,
+        codec_ops.quantize_rows_(t.detach().contiguous().view(-1), payload, self.bits, self.block,
                            self.codec.stochastic, seed)
         return payload.view(-1)
 
@@ -47,7 +47,7 @@ class P2PCodec:
 
     def decode_into(self, payload: torch.Tensor, out: torch.Tensor) -> None:
         # .data: Megatron's receive buffers require grad; the decode is not part of the graph.
-        ops.dequantize_rows_(payload.view(1, -1), out.data.view(-1), self.bits, self.block)
+        codec_ops.dequantize_rows_(payload.view(1, -1), out.data.view(-1), self.bits, self.block)
 
 
 def record_p2p(tag: str, peer: int, me: int, ranks_per_node: int, payload_bytes: int, raw_bytes: int) -> None:

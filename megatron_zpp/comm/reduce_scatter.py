@@ -34,11 +34,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_zpp.compression import Codec, layout, ops
+from megatron_zpp.compression import Codec, layout
 from megatron_zpp.comm._common import (
-    CommHandle, WireFormat, agree, check_float, check_pair, reduce_divisor, wait, wire_format)
+    CommHandle, WireFormat, agree, check_float, check_pair, codec_ops, reduce_divisor, wait, wire_format)
 from megatron_zpp.comm.execution import comm_stream, launch
-from megatron_zpp.comm.stats import comm_stats
+from megatron_zpp.comm.stats import comm_stats, comm_timers
 from megatron_zpp.comm.topology import Scratch, Topology
 
 
@@ -146,7 +146,7 @@ def _compressed(output, input, topology: Topology, intra_fmt: WireFormat, inter_
     rb1 = layout.row_bytes(slice_len, first_fmt.bits, first_fmt.block)
     send1 = scratch.take(stages * size * rb1)
     recv1 = scratch.take(stages * size * rb1)
-    ops.reorder_quantize_(x, send1.view(stages * size, rb1), first_fmt.bits, first_fmt.block, nodes,
+    codec_ops.reorder_quantize_(x, send1.view(stages * size, rb1), first_fmt.bits, first_fmt.block, nodes,
                           node_size, stages, first_fmt.stochastic, first_fmt.seed(topology.rank, site + ".hop1"))
     send1_s, recv1_s = send1.view(stages, size * rb1), recv1.view(stages, size * rb1)
     hop1 = [first.all_to_all(recv1_s[s], send1_s[s]) for s in range(stages)]
@@ -168,7 +168,7 @@ def _compressed(output, input, topology: Topology, intra_fmt: WireFormat, inter_
     def middle() -> None:
         for s in range(stages):
             wait(hop1[s])
-            ops.dequant_reduce_quantize_(recv1_s[s].view(node_size, nodes, rb1), send2_s[s], slice_len,
+            codec_ops.dequant_reduce_quantize_(recv1_s[s].view(node_size, nodes, rb1), send2_s[s], slice_len,
                                          intra_fmt.bits, intra_fmt.block, inter_fmt.bits, inter_fmt.block,
                                          inter_fmt.stochastic, inter_fmt.seed(topology.rank, site + ".hop2"))
             hop2.append(groups.inter.all_to_all(recv2_s[s], send2_s[s]))
@@ -186,7 +186,7 @@ def _dequant_reduce_stages(hops, received, sources: int, row_bytes: int, fmt: Wi
     write the stage's slice of ``out``."""
     for s, work in enumerate(hops):
         wait(work)
-        ops.dequant_reduce_(received[s].view(sources, 1, row_bytes), out[s * slice_len:(s + 1) * slice_len],
+        codec_ops.dequant_reduce_(received[s].view(sources, 1, row_bytes), out[s * slice_len:(s + 1) * slice_len],
                             fmt.bits, fmt.block, divisor)
 
 
@@ -207,17 +207,19 @@ def _uncompressed(output, input, topology: Topology, intra_fmt, inter_fmt, stage
     send1 = scratch.take(stages * size * slice_len * elt).view(dtype).view(stages, node_size, nodes, slice_len)
     recv1 = scratch.take(stages * size * slice_len * elt).view(dtype).view(stages, size, slice_len)
     # The raw form of the reorder: [node, local, stage, slice] -> [stage, local, node, slice].
-    send1.copy_(x.view(nodes, node_size, stages, slice_len).permute(2, 1, 0, 3))
+    with comm_timers().codec():
+        send1.copy_(x.view(nodes, node_size, stages, slice_len).permute(2, 1, 0, 3))
     hop1 = [first.all_to_all(recv1[s], send1[s]) for s in range(stages)]
     out, copy_back = _staged_output(output, stages, slice_len, scratch)
     acc = scratch.take(max(nodes, 1) * slice_len * 4).view(torch.float32)
 
     def reduce_into(dst: torch.Tensor, chunks: torch.Tensor, div: int) -> None:
-        a = acc[:dst.numel()].view(dst.shape)
-        torch.sum(chunks, dim=0, dtype=torch.float32, out=a)
-        if div != 1:
-            a.div_(div)
-        dst.copy_(a)
+        with comm_timers().codec():  # the uncompressed algorithm's reduction: its share of "codec" time
+            a = acc[:dst.numel()].view(dst.shape)
+            torch.sum(chunks, dim=0, dtype=torch.float32, out=a)
+            if div != 1:
+                a.div_(div)
+            dst.copy_(a)
 
     def reduce_stages(works, received) -> None:
         for s in range(stages):

@@ -15,8 +15,10 @@ gloo's ``reduce_scatter_tensor`` is a ring all-reduce (``2 (size - 1)`` chunks).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -119,6 +121,63 @@ _STATS = CommStats()
 def comm_stats() -> CommStats:
     """This process's byte counters (``.snapshot()``, ``.get(tag)``, ``.total()``, ``.reset()``)."""
     return _STATS
+
+
+class CommTimers:
+    """Host seconds this process spends on the communication path, for the step-time breakdown.
+
+    ``codec_s``: inside codec kernels (quantize, dequantize, fused reduce steps, the uncompressed
+    algorithms' fp32 reductions). ``wait_s``: blocked in the data-parallel collectives' calls and
+    waits as Megatron makes them (issue, ``finish_*_sync``, Megatron-FSDP's bucket waits), minus the
+    codec time inside them, i.e. exposed communication. Nested waits count once.
+
+    Host time is the real cost on CPU, where codec kernels run on the calling thread and gloo
+    waits block it. On CUDA both are asynchronous: ``codec_s`` is launch overhead only and
+    ``wait_s`` is host blocking, not stream time; use a profiler there.
+    """
+
+    def __init__(self) -> None:
+        self.codec_s = 0.0
+        self.wait_s = 0.0
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def codec(self):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.codec_s += time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def wait(self):
+        self._depth += 1
+        if self._depth > 1:  # inside another timed wait: counted by the outer one
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        t0, codec0 = time.perf_counter(), self.codec_s
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            self.wait_s += (time.perf_counter() - t0) - (self.codec_s - codec0)
+
+    def snapshot(self) -> tuple[float, float]:
+        return self.codec_s, self.wait_s
+
+    def reset(self) -> None:
+        self.codec_s = self.wait_s = 0.0
+
+
+_TIMERS = CommTimers()
+
+
+def comm_timers() -> CommTimers:
+    """This process's communication-path timers (see :class:`CommTimers`)."""
+    return _TIMERS
 
 
 def nbytes(t: torch.Tensor) -> int:

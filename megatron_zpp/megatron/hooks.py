@@ -24,8 +24,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_zpp.comm import (HpzShard, Topology, compressed_all_reduce, hpz_all_gather, qgz_reduce_scatter,
-                               quantized_all_gather, record_torch_collective, set_rounding_epoch)
+from megatron_zpp.comm import (HpzShard, Topology, comm_timers, compressed_all_reduce, hpz_all_gather,
+                               qgz_reduce_scatter, quantized_all_gather, record_torch_collective, set_rounding_epoch)
 from megatron_zpp.policy import Policy, check_policy_agreement
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ class MegatronHooks:
         self._hpz_shards: dict[tuple[int, int], HpzShard] = {}
         self._pending_gathers: dict[tuple, object] = {}  # (pipeline, bucket key) -> our gather handle
         self._saved: dict[str, object] = {}
+        self._timed_methods: list[tuple[type, str, object]] = []
         self.installed = False
 
     # ------------------------------------------------------------------ schedule
@@ -135,7 +136,7 @@ class MegatronHooks:
         def start_grad_sync(bucket_group, force_all_reduce=False):
             hooks._check_supported(bucket_group)
             hooks.sync_iteration()
-            with hooks._route_grad_collectives(pgb, bucket_group) as ours:
+            with comm_timers().wait(), hooks._route_grad_collectives(pgb, bucket_group) as ours:
                 result = originals["start_grad_sync"](bucket_group, force_all_reduce)
             # Megatron waits grad_reduce_handle in finish_grad_sync before it reads the bucket
             # (and, in 0.19, before _copy_back_extra_main_grads): ours join it there.
@@ -144,7 +145,7 @@ class MegatronHooks:
 
         def start_param_sync(bucket_group, force_sync=False):
             hooks.sync_iteration()
-            with hooks._route_param_gather(pgb, bucket_group) as ours:
+            with comm_timers().wait(), hooks._route_param_gather(pgb, bucket_group) as ours:
                 result = originals["start_param_sync"](bucket_group, force_sync)
             # finish_param_sync (and a forced sync) wait param_gather_handle before the forward
             # that needs the weights, including a gather that finish_param_sync itself dispatches.
@@ -153,6 +154,7 @@ class MegatronHooks:
 
         cls.start_grad_sync = start_grad_sync
         cls.start_param_sync = start_param_sync
+        self._time_waits(cls, ("finish_grad_sync", "finish_param_sync"))
         self._install_fsdp()
         from megatron_zpp.megatron.model_parallel import ModelParallelHooks
 
@@ -181,21 +183,22 @@ class MegatronHooks:
 
         def async_bucket_gather(pipeline, bucket_id, bwd):
             hooks.sync_iteration()
-            with hooks._route_fsdp_gather(pipeline, bucket_id, bwd):
+            with comm_timers().wait(), hooks._route_fsdp_gather(pipeline, bucket_id, bwd):
                 return originals["async_bucket_gather"](pipeline, bucket_id, bwd)
 
         def wait_bucket_ready(pipeline, bucket_id, bwd, *args, **kwargs):
             # all_gather_params replaces each bucket's event with its coalescing manager's, which
             # knows nothing of ours: decode here, before Megatron marks the bucket ready.
-            handle = hooks._pending_gathers.pop((id(pipeline), pipeline.get_bucket_key(bucket_id, bwd)), None)
-            if handle is not None:
-                handle.wait()
-            return originals["wait_bucket_ready"](pipeline, bucket_id, bwd, *args, **kwargs)
+            with comm_timers().wait():
+                handle = hooks._pending_gathers.pop((id(pipeline), pipeline.get_bucket_key(bucket_id, bwd)), None)
+                if handle is not None:
+                    handle.wait()
+                return originals["wait_bucket_ready"](pipeline, bucket_id, bwd, *args, **kwargs)
 
         def bucket_group_gradient_reduce(pipeline, bucket_group, *args, **kwargs):
             hooks.sync_iteration()
             buffers = [pipeline.get_fsdp_buffer(b) for b in bucket_group]
-            with hooks._route_fsdp_reduce(buffers):
+            with comm_timers().wait(), hooks._route_fsdp_reduce(buffers):
                 return originals["_bucket_group_gradient_reduce"](pipeline, bucket_group, *args, **kwargs)
 
         def copy_main_weights_to_model_weights(buffer, *args, **kwargs):
@@ -207,6 +210,22 @@ class MegatronHooks:
         gather_cls.wait_bucket_ready = wait_bucket_ready
         reduce_cls._bucket_group_gradient_reduce = bucket_group_gradient_reduce
         buffer_cls.copy_main_weights_to_model_weights = copy_main_weights_to_model_weights
+        from megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp import MegatronFSDP
+
+        self._time_waits(reduce_cls, ("wait_for_previous_grad_reduce",))
+        self._time_waits(MegatronFSDP, ("synchronize_gradient_reduce", "synchronize_param_gather"))
+
+    def _time_waits(self, cls, names: tuple[str, ...]) -> None:
+        """Add the host time of ``cls``'s methods ``names`` (Megatron's own waits on its data-parallel
+        collectives) to ``comm_timers().wait_s``; behaviour unchanged. Restored by ``uninstall``."""
+        for name in names:
+            original = getattr(cls, name)
+            self._timed_methods.append((cls, name, original))
+
+            def timed(*args, _original=original, **kwargs):
+                with comm_timers().wait():
+                    return _original(*args, **kwargs)
+            setattr(cls, name, timed)
 
     @contextlib.contextmanager
     def _route_fsdp_gather(self, pipeline, bucket_id: int, bwd: bool):
@@ -327,6 +346,9 @@ class MegatronHooks:
             reduce_cls._bucket_group_gradient_reduce = originals["_bucket_group_gradient_reduce"]
             buffer_cls.copy_main_weights_to_model_weights = originals["copy_main_weights_to_model_weights"]
             self._saved_fsdp = None
+        for cls, name, original in reversed(self._timed_methods):
+            setattr(cls, name, original)
+        self._timed_methods = []
         if getattr(self, "_model_parallel", None) is not None:
             self._model_parallel.uninstall()
             self._model_parallel = None

@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--check-replica-weights", action="store_true",
                    help="debug: digest every module's weights at each forward and backward use and compare "
                         "them across data-parallel replicas every iteration (slow on real models)")
+    g.add_argument("--summary-json", default=None,
+                   help="rank 0 writes the run summary (losses, step-time breakdown, bytes counted and, with "
+                        "ZPP_NIC set, measured on the NIC) to this JSON file")
     g.add_argument("--wandb-project", default=None)
     g.add_argument("--wandb-exp-name", default=None)
     g.add_argument("--wandb-save-dir", default=None)

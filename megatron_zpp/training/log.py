@@ -15,7 +15,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from megatron_zpp.comm import TagStats, comm_stats
+from megatron_zpp.comm import TagStats, comm_stats, comm_timers
+from megatron_zpp.training.nic import NicWindow
 
 MB = 1e6
 
@@ -69,6 +70,9 @@ class IterationLogger:
         self._last_stats: dict[str, TagStats] = {}
         self._last_logged = 0
         self.wandb = None
+        self.comm_seconds: list[tuple[float, float]] = []  # per iteration: (codec, exposed wait)
+        self._last_timers = (0.0, 0.0)
+        self.nic = NicWindow()
 
     def log(self, text: str) -> None:
         if self.rank == 0:
@@ -82,6 +86,8 @@ class IterationLogger:
         self.log(f"> data: {data.num_tokens:,} tokens, {data.num_samples:,} samples of {a.seq_length} tokens; "
                  f"global batch {a.global_batch_size} ({a.num_microbatches} micro-batches of {a.micro_batch_size})")
         comm_stats().reset()
+        comm_timers().reset()
+        self.nic.start()
         if a.wandb_project and self.rank == dist.get_world_size() - 1:
             try:
                 import wandb
@@ -95,6 +101,9 @@ class IterationLogger:
     def iteration(self, iteration: int, loss: float, lr: float, grad_norm, seconds: float, update_ok: bool,
                   hpz_bytes: int = 0) -> None:
         self.times.append(seconds)
+        timers = comm_timers().snapshot()
+        self.comm_seconds.append((timers[0] - self._last_timers[0], timers[1] - self._last_timers[1]))
+        self._last_timers = timers
         a = self.args
         if iteration % a.log_interval and iteration != a.train_iters:
             return
@@ -122,13 +131,28 @@ class IterationLogger:
                                s.inter_bytes / MB / n, f"comm/{tag}/inter_ratio": s.inter_ratio})
             self.wandb.log(record, step=iteration)
 
+    def _breakdown(self) -> dict:
+        """Mean seconds per iteration after the first, averaged over ranks: codec, exposed
+        communication (see ``CommTimers``), and the rest (compute, optimizer, framework)."""
+        steady = list(zip(self.times, self.comm_seconds))[1:] or list(zip(self.times, self.comm_seconds))
+        n = max(len(steady), 1)
+        mine = torch.tensor([sum(t for t, _ in steady) / n, sum(c for _, (c, _) in steady) / n,
+                             sum(w for _, (_, w) in steady) / n], dtype=torch.float64)
+        if dist.get_backend() == "nccl":
+            mine = mine.cuda()
+        dist.all_reduce(mine)
+        step, codec, wait = (mine.cpu() / dist.get_world_size()).tolist()
+        return {"step_s": step, "codec_s": codec, "exposed_comm_s": wait, "compute_s": step - codec - wait}
+
     def finish(self, losses: list[float], models: list, hooks=None, valid_loss: float | None = None,
                finite: bool = True, sharded: bool = False, replica_check=None) -> dict:
         """``sharded``: ZeRO-3, one copy of the weights, so there are no replicas to compare."""
         a = self.args
+        nic = self.nic.stop()  # first: the reports below send a little themselves
         stats = comm_stats().summed_over_ranks()
         steady = self.times[1:] or self.times  # the first iteration includes warm-up
         mean_s = statistics.mean(steady) if steady else float("nan")
+        breakdown = self._breakdown()
         inter = sum(s.inter_bytes for s in stats.values())
         inter_base = sum(s.uncompressed_inter_bytes for s in stats.values())
         summary = {
@@ -138,7 +162,7 @@ class IterationLogger:
             "traffic": {t: vars(s) | {"inter_ratio": s.inter_ratio} for t, s in stats.items()},
             "inter_bytes": inter, "inter_bytes_uncompressed": inter_base, "policy": self.policy.to_dict(),
             "dp_replicas_identical": None if sharded else dp_replicas_identical(models),
-            "finite": finite,
+            "finite": finite, "breakdown": breakdown, "nic": nic,
             "hpz_bytes_per_rank": hooks.hpz_bytes if hooks is not None else 0,
             "replica_check": None if replica_check is None else {
                 "uses_compared": replica_check.result.uses_compared, "mismatches": replica_check.result.mismatch_count,
@@ -162,6 +186,13 @@ class IterationLogger:
             self.log(f"> summary: {tag} (analytic bytes): {s.calls} calls, inter-node {s.inter_bytes / MB:.2f} MB vs "
                      f"{s.uncompressed_inter_bytes / MB:.2f} MB uncompressed (x{s.inter_ratio:.4f}), intra-node "
                      f"{s.intra_bytes / MB:.2f} MB vs {s.uncompressed_intra_bytes / MB:.2f} MB")
+        self.log(f"> summary: step time (measured on the host, mean over ranks, after the first iteration): "
+                 f"compute and the rest {breakdown['compute_s'] * 1e3:.0f} ms, exposed data-parallel communication "
+                 f"{breakdown['exposed_comm_s'] * 1e3:.0f} ms, codec {breakdown['codec_s'] * 1e3:.0f} ms")
+        if nic is not None:
+            self.log(f"> summary: cross-node bytes on the NICs ({nic['interface']}, measured, {nic['nodes']} nodes): "
+                     f"{nic['tx_bytes'] / MB:.2f} MB, TCP payload {nic['payload_bytes'] / MB:.2f} MB vs "
+                     f"{inter / MB:.2f} MB counted (x{nic['payload_bytes'] / inter if inter else float('nan'):.4f})")
         if inter_base:
             self.log(f"> summary: all tags: cross-node {inter / MB:.2f} MB sent vs {inter_base / MB:.2f} MB the "
                      f"uncompressed collectives would have sent (x{inter / inter_base:.4f})")

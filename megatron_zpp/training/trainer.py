@@ -14,11 +14,13 @@ Launch with torchrun (one process per GPU, or per CPU rank)::
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
 import warnings
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -255,6 +257,8 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         summary = logger.finish(losses, models, hooks, valid_loss=valid_loss,
                                 finite=_all_ranks_finite(optimizer, device), sharded=args.use_megatron_fsdp,
                                 replica_check=replica_check)
+        if args.summary_json and rank == 0:
+            Path(args.summary_json).write_text(json.dumps(summary, indent=1, default=str))
         return summary
     finally:
         if hooks.installed:

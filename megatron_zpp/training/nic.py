@@ -1,0 +1,64 @@
+"""Bytes this node's network interface sent during training, from the kernel's counters.
+
+Set ``ZPP_NIC`` to the interface that carries inter-node traffic (``tools/netemu.py`` sets it to
+the emulated node's ``eth0``); the trainer then reads ``/sys/class/net/$ZPP_NIC/statistics`` at
+the start and the end of the training window, on local rank 0 of each node, and reports the
+sum over nodes beside the byte accounting (``comm_stats``). Without ``ZPP_NIC`` nothing is read.
+
+The interface must carry only this job's inter-node traffic for the figure to mean anything
+(true inside netemu's namespaces; not on a shared host NIC).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+HEADER_BYTES = 66  # Ethernet 14 + IPv4 20 + TCP 20 + timestamp option 12, once per counted packet
+
+
+@dataclass
+class NicDelta:
+    tx_bytes: int = 0
+    tx_packets: int = 0
+
+    @property
+    def payload_bytes(self) -> int:
+        """TCP payload sent: counted bytes minus one header per counted packet (the counters see
+        GSO super-packets, one header each; pure ACKs are all header)."""
+        return max(self.tx_bytes - HEADER_BYTES * self.tx_packets, 0)
+
+
+class NicWindow:
+    def __init__(self, interface: str | None = None) -> None:
+        self.interface = interface if interface is not None else os.environ.get("ZPP_NIC") or None
+        self.reader = self.interface is not None and os.environ.get("LOCAL_RANK", "0") == "0"
+        self._start: tuple[int, int] | None = None
+        if self.interface is not None and not (Path("/sys/class/net") / self.interface).exists():
+            raise ValueError(f"ZPP_NIC={self.interface!r}: no such network interface here; valid: "
+                             + ", ".join(sorted(p.name for p in Path("/sys/class/net").iterdir())))
+
+    def _read(self) -> tuple[int, int]:
+        stats = Path("/sys/class/net") / self.interface / "statistics"
+        return int((stats / "tx_bytes").read_text()), int((stats / "tx_packets").read_text())
+
+    def start(self) -> None:
+        if self.reader:
+            self._start = self._read()
+
+    def stop(self) -> dict | None:
+        """Summed over nodes (a collective on every rank when ``ZPP_NIC`` is set; None otherwise)."""
+        if self.interface is None:
+            return None
+        mine = None
+        if self.reader and self._start is not None:
+            now = self._read()
+            mine = (now[0] - self._start[0], now[1] - self._start[1])
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        total = NicDelta(sum(m[0] for m in everyone if m), sum(m[1] for m in everyone if m))
+        return {"interface": self.interface, "nodes": sum(1 for m in everyone if m), "tx_bytes": total.tx_bytes,
+                "tx_packets": total.tx_packets, "payload_bytes": total.payload_bytes}
