@@ -17,7 +17,7 @@ def _quiet(*args, **kwargs) -> None:
 
 
 def run_policies(parallel: list[str], iterations: int, ranks_per_node: int, overlap_variants: bool) -> dict:
-    """Train the same small GPT with the plugin absent, with ``none``, and with ``zeropp``.
+    """Train the same small GPT with the plugin absent, with ``none``, ``fair`` and ``zeropp``.
 
     With ``overlap_variants`` the first two are repeated with --overlap-grad-reduce and
     --overlap-param-gather, and zeropp runs with them.
@@ -25,8 +25,11 @@ def run_policies(parallel: list[str], iterations: int, ranks_per_node: int, over
     base = SMALL + parallel + ["--train-iters", str(iterations), "--zpp-ranks-per-node", str(ranks_per_node)]
     overlap = ["--overlap-grad-reduce"] + (["--overlap-param-gather"] if "--use-distributed-optimizer" in parallel
                                            else [])
-    out = {"absent": pretrain(base, log=_quiet, plugin=False)["losses"],
-           "none": pretrain(base + ["--zpp-policy", "none"], log=_quiet)["losses"]}
+    none = pretrain(base + ["--zpp-policy", "none"], log=_quiet)
+    out = {"absent": pretrain(base, log=_quiet, plugin=False)["losses"], "none": none["losses"],
+           "none_traffic": none["traffic"]}
+    fair = pretrain(base + ["--zpp-policy", "fair"], log=_quiet)
+    out["fair"] = {k: fair[k] for k in ("losses", "traffic", "dp_replicas_identical", "finite")}
     if overlap_variants:
         out["absent_overlap"] = pretrain(base + overlap, log=_quiet, plugin=False)["losses"]
         out["none_overlap"] = pretrain(base + overlap + ["--zpp-policy", "none"], log=_quiet)["losses"]
@@ -72,8 +75,11 @@ def fsdp_zeropp(iterations: int, workdir: str) -> dict:
 
     base = SMALL + ["--use-megatron-fsdp", "--bf16", "--overlap-grad-reduce", "--overlap-param-gather",
                     "--zpp-ranks-per-node", "2", "--train-iters", str(iterations)]
-    out = {"absent": pretrain(base, log=_quiet, plugin=False)["losses"],
-           "none": pretrain(base + ["--zpp-policy", "none"], log=_quiet)["losses"]}
+    none = pretrain(base + ["--zpp-policy", "none"], log=_quiet)
+    out = {"absent": pretrain(base, log=_quiet, plugin=False)["losses"], "none": none["losses"],
+           "none_traffic": none["traffic"]}
+    fair = pretrain(base + ["--zpp-policy", "fair"], log=_quiet)
+    out["fair"] = {k: fair[k] for k in ("losses", "traffic", "dp_replicas_identical", "finite")}
 
     digests: list[str] = []
     originals = (hooks_module.quantized_all_gather, hooks_module.hpz_all_gather)
@@ -117,14 +123,17 @@ def fsdp_zeropp(iterations: int, workdir: str) -> dict:
 def model_parallel_codecs(parallel: list[str], dim: str, iterations: int) -> dict:
     """``--zpp-{dim} int8`` trains; ``none`` is bit-identical to no plugin; traffic under ``dim``."""
     base = SMALL + parallel + ["--train-iters", str(iterations), "--zpp-ranks-per-node", "2"]
-    out = {"absent": pretrain(base, log=_quiet, plugin=False)["losses"],
-           "none": pretrain(base + ["--zpp-policy", "none"], log=_quiet)["losses"]}
+    none = pretrain(base + ["--zpp-policy", "none"], log=_quiet)
+    out = {"absent": pretrain(base, log=_quiet, plugin=False)["losses"], "none": none["losses"],
+           "none_traffic": none["traffic"]}
+    fair = pretrain(base + ["--zpp-policy", "fair"], log=_quiet)
+    out["fair"] = {k: fair[k] for k in ("losses", "traffic", "dp_replicas_identical", "finite")}
     run = pretrain(base + [f"--zpp-{dim}", "int8:block=256"], log=_quiet)
     out["int8"] = {k: run[k] for k in ("losses", "traffic", "finite")}
     return out
 
 
-POLICIES = {"none": ["--zpp-policy", "none"], "zeropp": ["--zpp-policy", "zeropp"],
+POLICIES = {"none": ["--zpp-policy", "none"], "fair": ["--zpp-policy", "fair"], "zeropp": ["--zpp-policy", "zeropp"],
             "int8-param": ["--zpp-policy", "none", "--zpp-dp-param", "int8:block=256"]}
 
 

@@ -10,9 +10,10 @@ that bucket group only; the handles ours return are chained behind Megatron's ow
 collectives (``finish_grad_sync``, ``finish_param_sync``, a forced sync). Megatron's code, its
 bucketing, overlap and ``_coalescing_manager`` blocks stay as they are.
 
-With a ``none`` codec the wrapper calls Megatron's original collective unchanged and only
-records its bytes from sizes (no topology, no process group), so the ``none`` policy trains
-bit-identically to Megatron without the plugin.
+With a ``none`` codec (and ``dp_uncompressed: megatron``, the default) the wrapper calls
+Megatron's original collective unchanged and only records its bytes from sizes (no topology, no
+process group), so the ``none`` policy trains bit-identically to Megatron without the plugin. With ``dp_uncompressed: hierarchical`` (the
+``fair`` preset) uncompressed collectives run on the project's algorithms instead.
 """
 
 from __future__ import annotations
@@ -237,7 +238,7 @@ class MegatronHooks:
             if hooks._is_private(group):  # our own collectives' inner calls
                 return original(output_tensor, input_tensor, group=group, async_op=async_op)
             tag = PARAM_BWD_TAG if bwd else PARAM_TAG
-            if codec == "none" and not hooks.hpz_enabled:
+            if hooks._megatron_runs(codec) and not hooks.hpz_enabled:
                 hooks._record_torch(tag, "all_gather", group, input_tensor.numel() * input_tensor.element_size(),
                                     input_tensor.device)
                 return original(output_tensor, input_tensor, group=group, async_op=async_op)
@@ -279,17 +280,18 @@ class MegatronHooks:
             if hooks._is_private(group):
                 return original_rs(output, input, op=op, group=group, async_op=async_op)
             gbuf = pending_buffers.pop(0) if pending_buffers else None
-            if hooks.grad_codec != "none" and gbuf is not None and gbuf.bucket_index.size == input.numel():
+            ours = not hooks._megatron_runs(hooks.grad_codec)
+            if ours and gbuf is not None and gbuf.bucket_index.size == input.numel():
                 _zero_padding(input, gbuf, 0)
-            # Compressed: synchronous, as Megatron-FSDP accumulates the shard right after its
-            # coalescing block. none: Megatron's call exactly as it was made.
-            sync = async_op if hooks.grad_codec == "none" else False
+            # Ours: synchronous, as Megatron-FSDP accumulates the shard right after its
+            # coalescing block. Megatron's: its call exactly as it was made.
+            sync = False if ours else async_op
             return hooks._reduce_scatter_grads(original_rs, output, input, op, group, async_op=sync)[0]
 
         def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
             if hooks._is_private(group):
                 return original_ar(tensor, op=op, group=group, async_op=async_op)
-            sync = async_op if hooks.grad_codec == "none" else False
+            sync = async_op if hooks._megatron_runs(hooks.grad_codec) else False
             return hooks._all_reduce_grads(original_ar, tensor, op, group, async_op=sync)[0]
 
         dist.reduce_scatter_tensor, dist.all_reduce = reduce_scatter_tensor, all_reduce
@@ -299,8 +301,9 @@ class MegatronHooks:
             dist.reduce_scatter_tensor, dist.all_reduce = original_rs, original_ar
 
     def _reduce_scatter_grads(self, original, output, input, op, group, async_op):
-        """``(result, handle)``: Megatron's own reduce-scatter, recorded, for ``none``; else qgZ."""
-        if self.grad_codec == "none":
+        """``(result, handle)``: Megatron's own reduce-scatter, recorded; or ours (qgZ, or its
+        uncompressed 2-hop form for the fair baseline)."""
+        if self._megatron_runs(self.grad_codec):
             self._record_torch(GRAD_TAG, "reduce_scatter", group, output.numel() * output.element_size(),
                                output.device)
             return original(output, input, op=op, group=group, async_op=async_op), None
@@ -309,8 +312,9 @@ class MegatronHooks:
                                         stages=self.policy.qgz_stages)
 
     def _all_reduce_grads(self, original, tensor, op, group, async_op):
-        """``(result, handle)``: Megatron's own all-reduce, recorded, for ``none``; else the compressed one."""
-        if self.grad_codec == "none":
+        """``(result, handle)``: Megatron's own all-reduce, recorded; or ours (compressed or the
+        uncompressed hierarchical one)."""
+        if self._megatron_runs(self.grad_codec):
             size = dist.get_world_size(group)
             self._record_torch(GRAD_TAG, "all_reduce", group, tensor.numel() * tensor.element_size() // size,
                                tensor.device)
@@ -318,6 +322,10 @@ class MegatronHooks:
         return None, compressed_all_reduce(tensor, self.topology(group), codec=self.grad_codec, op=_op_name(op), async_op=async_op,
                                            tag=GRAD_TAG, intra_codec=self.policy.dp_grad_intra,
                                            stages=self.policy.qgz_stages)
+
+    def _megatron_runs(self, codec: str) -> bool:
+        """Whether a collective with ``codec`` stays Megatron's own call (only recorded)."""
+        return codec == "none" and self.policy.dp_uncompressed == "megatron"
 
     def _record_torch(self, tag: str, kind: str, group, chunk_bytes: int, device) -> None:
         """Bytes of one of Megatron's own collectives, from sizes only: no topology, no process group."""
@@ -357,12 +365,13 @@ class MegatronHooks:
     # ------------------------------------------------------------------ routing
     def _check_supported(self, bucket_group) -> None:
         cfg = bucket_group.ddp_config
-        if cfg.num_distributed_optimizer_instances > 1 and self.policy.compresses("dp.grad"):
+        ours = not self._megatron_runs(self.policy.codec("dp.grad"))
+        if cfg.num_distributed_optimizer_instances > 1 and ours:
             raise NotImplementedError("dp.grad compression with num_distributed_optimizer_instances > 1 is not "
-                                      "supported; use 1 instance or --zpp-dp-grad none")
-        if cfg.reduce_scatter_with_fp32_accumulation and self.policy.compresses("dp.grad"):
+                                      "supported; use 1 instance, or --zpp-dp-grad none with --zpp-dp-uncompressed megatron")
+        if cfg.reduce_scatter_with_fp32_accumulation and ours:
             raise ValueError("--ddp-reduce-scatter-with-fp32-accumulation replaces the reduce-scatter that "
-                             "dp.grad compression replaces; use one or the other")
+                             "dp.grad compression (or the hierarchical baseline) replaces; use one or the other")
 
     @contextlib.contextmanager
     def _route_grad_collectives(self, pgb, bucket_group):
@@ -406,7 +415,7 @@ class MegatronHooks:
         handles: list = []
 
         def all_gather(output, input, group=None, async_op=False):
-            if codec == "none":
+            if hooks._megatron_runs(codec):
                 hooks._record_torch(PARAM_TAG, "all_gather", group, input.numel() * input.element_size(), input.device)
                 return original_ag(output, input, group=group, async_op=async_op)
             handle = quantized_all_gather(output, input, hooks.topology(group), codec=codec, async_op=async_op,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 @dataclass(kw_only=True)
 class ZppConfig:
     policy: str = "none"
-    """Compression policy: a preset in configs/policies (none, zeropp, hybrid) or the path of a YAML
+    """Compression policy: a preset in configs/policies (none, fair, zeropp, hybrid) or the path of a YAML
     policy file. The per-dimension flags below override its entries."""
     dp_grad: str | None = None
     """Codec of data-parallel gradient reduction (qgZ reduce-scatter with the distributed optimizer, a
@@ -30,6 +30,11 @@ class ZppConfig:
     smaller value simulates several nodes."""
     qgz_stages: int | None = None
     """Pipeline stages of qgZ's two hops (ZeRO++ Algorithm 2); default the policy's (1)."""
+    dp_uncompressed: str | None = None
+    """Who runs a data-parallel collective whose codec is none: megatron (Megatron's own
+    torch.distributed calls, bit-identical to no plugin; on gloo its reduce-scatter is an
+    all-reduce) or hierarchical (the project's uncompressed algorithms: intra- then inter-node
+    reduce-scatter, ring all-gather; the fair baseline). Default: the policy's (megatron)."""
     dp_grad_until: float | None = None
     """Compress dp.grad only for this fraction of --train-iters, then reduce uncompressed (ZeRO++ Table 5
     schedule); default the policy's (1.0: always)."""

@@ -11,6 +11,7 @@ YAML keys::
     hpz_size:          INT or "node"    hpZ secondary partition size (ZeRO-3 only; 1 = off)
     qgz_stages:        INT              pipelined hops (Algorithm 2)
     dp_grad_until:     FLOAT in (0, 1]  compress dp.grad for this fraction of the iterations
+    dp_uncompressed:   megatron | hierarchical   who runs DP collectives whose codec is none
     description:       free text
 
 DeepSpeed's ZeRO++ keys are accepted as aliases: ``zero_quantized_weights: true`` (dp.param
@@ -30,10 +31,12 @@ from megatron_zpp.policy.config import ZppConfig
 DIMENSIONS = ("dp.grad", "dp.param", "tp", "pp")
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "policies"
 ZEROPP_WEIGHTS, ZEROPP_GRADS = "int8:block=256", "int4:block=128"
-_YAML_KEYS = ("codecs", "dp_grad_intra", "hpz_size", "qgz_stages", "dp_grad_until", "description",
+_YAML_KEYS = ("codecs", "dp_grad_intra", "hpz_size", "qgz_stages", "dp_grad_until", "dp_uncompressed", "description",
               "zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size")
 # Codecs a data-parallel collective can run (the comm layer moves fixed-rate blockwise payloads).
 DP_CODECS = ("none", "int8", "int4")
+# Who runs an uncompressed data-parallel collective (see ZppConfig.dp_uncompressed).
+DP_UNCOMPRESSED = ("megatron", "hierarchical")
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class Policy:
     ranks_per_node: int | None = None
     qgz_stages: int = 1
     dp_grad_until: float = 1.0
+    dp_uncompressed: str = "megatron"
     description: str = ""
 
     def codec(self, dimension: str) -> str:
@@ -57,7 +61,8 @@ class Policy:
 
     @property
     def is_identity(self) -> bool:
-        return all(c == "none" for c in self.codecs.values())
+        """Whether installing the policy leaves Megatron's training bit-identical."""
+        return all(c == "none" for c in self.codecs.values()) and self.dp_uncompressed == "megatron"
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -136,11 +141,15 @@ def resolve_policy(config: ZppConfig) -> Policy:
     until = config.dp_grad_until if config.dp_grad_until is not None else data.get("dp_grad_until", 1.0)
     if not isinstance(until, (int, float)) or not 0 < until <= 1:
         raise ValueError(f"policy {name!r}: dp_grad_until={until!r} must be in (0, 1]")
+    route = config.dp_uncompressed if config.dp_uncompressed is not None else data.get("dp_uncompressed",
+                                                                                          "megatron")
+    if route not in DP_UNCOMPRESSED:
+        raise ValueError(f"policy {name!r}: dp_uncompressed={route!r}; valid: {', '.join(DP_UNCOMPRESSED)}")
     rpn = config.ranks_per_node
     if rpn is not None and rpn < 1:
         raise ValueError(f"--zpp-ranks-per-node={rpn} must be a positive integer")
     return Policy(name=name, codecs=codecs, dp_grad_intra=intra, hpz_size=hpz, ranks_per_node=rpn,
-                  qgz_stages=stages, dp_grad_until=float(until), description=str(data.get("description", "")))
+                  qgz_stages=stages, dp_grad_until=float(until), dp_uncompressed=route, description=str(data.get("description", "")))
 
 
 def check_policy_agreement(policy: Policy, group=None) -> None:
