@@ -1,0 +1,363 @@
+"""``predict(cluster, workload, policy) -> Prediction``: one training iteration, analytically.
+
+Agarwal et al. (MLSys'22) for overlap (``max(gamma * T_comp, comm) + exposed bucket``), generalized to the
+distributed optimizer, ZeRO-3 and ZeRO++ as in ``shared/notes/perfmodel.md``; Narayanan et al. (SC'21) for
+FLOPs, tensor-parallel all-reduces and the 1F1B bubble. Formulas and assumptions: ``README.md`` here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_zpp.compression.layout import ceil_div
+from megatron_zpp.perfmodel import collectives as C
+from megatron_zpp.perfmodel.collectives import Cost, Group
+from megatron_zpp.perfmodel.specs import ClusterSpec, WorkloadSpec
+from megatron_zpp.policy import Policy, ZppConfig, available_presets, resolve_policy
+
+TAGS = ("dp.grad", "dp.param", "dp.param.bwd", "tp", "pp")  # megatron_zpp.megatron.hooks' byte-accounting tags
+# Policies the model knows by name besides the YAML presets: the two baselines and ZeRO++'s parts alone
+# (their codecs and hpZ size taken from the zeropp preset, the one source of truth).
+BUILTIN_POLICIES = ("megatron", "fair", "qwz", "hpz", "qgz")
+DEFAULT_POLICIES = ("megatron", "fair", "qwz", "hpz", "qgz", "zeropp", "hybrid")
+
+
+# ---------------------------------------------------------------------------------------------- policies
+
+
+@dataclass(frozen=True)
+class ModelledPolicy:
+    """A policy plus the algorithm its *uncompressed* dimensions run."""
+
+    name: str
+    """Label in the advisor's table."""
+    policy: Policy
+    """The project's resolved policy (codec per dimension, hpZ size, qgZ stages, dp.grad schedule)."""
+    fair: bool = False
+    """False: uncompressed dimensions call torch's collectives, as ``megatron_zpp.megatron.hooks`` does
+    (Megatron's baseline). True: they run the project's uncompressed algorithms (hierarchical 2-hop
+    reduce-scatter, ring all-gather), the fair baseline compression is measured against."""
+
+
+def resolve(policy: str | Policy | ModelledPolicy) -> ModelledPolicy:
+    """A name (``megatron``, ``fair``, ``qwz``, ``hpz``, ``qgz``, a preset such as ``zeropp``/``hybrid``,
+    or a policy YAML path), a ``Policy`` or a ``ModelledPolicy``."""
+    if isinstance(policy, ModelledPolicy):
+        return policy
+    if isinstance(policy, Policy):
+        return ModelledPolicy(policy.name, policy)
+    if not isinstance(policy, str):
+        raise ValueError(f"policy {policy!r} must be a name, a Policy or a ModelledPolicy")
+    none, zeropp = resolve_policy(ZppConfig(policy="none")), resolve_policy(ZppConfig(policy="zeropp"))
+
+    def with_codecs(**codecs: str) -> Policy:
+        return dataclasses.replace(none, name=policy, codecs={**none.codecs, **codecs})
+
+    builtin = {
+        "megatron": lambda: ModelledPolicy("megatron", dataclasses.replace(none, name="megatron")),
+        "fair": lambda: ModelledPolicy("fair", dataclasses.replace(none, name="fair"), fair=True),
+        "qwz": lambda: ModelledPolicy("qwz", with_codecs(**{"dp.param": zeropp.codec("dp.param")})),
+        "hpz": lambda: ModelledPolicy("hpz", dataclasses.replace(none, name="hpz", hpz_size=None)),
+        "qgz": lambda: ModelledPolicy("qgz", with_codecs(**{"dp.grad": zeropp.codec("dp.grad")})),
+    }
+    if policy in builtin:
+        return builtin[policy]()
+    if policy in available_presets() or Path(policy).suffix in (".yaml", ".yml"):
+        resolved = resolve_policy(ZppConfig(policy=policy))
+        return ModelledPolicy(resolved.name, resolved)
+    raise ValueError(f"unknown policy {policy!r}; valid: {', '.join(BUILTIN_POLICIES + tuple(available_presets()))} "
+                     "or a policy .yaml file")
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+@dataclass
+class TagBytes:
+    """Bytes one parallel dimension sends per iteration, summed over all ranks of the job."""
+
+    intra: int = 0
+    inter: int = 0
+
+
+@dataclass
+class Prediction:
+    """One iteration of one rank (the critical path), and the whole job's bytes."""
+
+    policy: str
+    cluster: str
+    workload: str
+    step_time_s: float
+    """Predicted seconds per iteration = the sum of the breakdown fields below."""
+    compute_s: float
+    """Forward + backward math of all micro-batches (FLOPs / compute_flops, or measured layer times)."""
+    tp_comm_s: float
+    """Tensor-parallel all-reduces (on the critical path)."""
+    pp_comm_s: float
+    """Pipeline p2p sends (assumed not hidden)."""
+    bubble_s: float
+    """1F1B pipeline bubble: (pp - 1) x (forward + backward of one micro-batch)."""
+    dp_exposed_comm_s: float
+    """Data-parallel wire time not hidden behind compute, plus the overlap slowdown (gamma - 1) x compute."""
+    codec_exposed_s: float
+    """Codec / reduction kernel time on the exposed path (the exposed time's codec share)."""
+    optimizer_s: float
+    """Optimizer step."""
+    dp_comm_total_s: float
+    """All data-parallel wire time of the iteration, hidden or not."""
+    codec_total_s: float
+    """All codec / reduction kernel time of the iteration, hidden or not."""
+    fwd_s: float
+    """Forward of one micro-batch on one pipeline stage (with its TP all-reduces)."""
+    bwd_s: float
+    """Backward of one micro-batch on one pipeline stage (with recomputation and TP all-reduces)."""
+    tokens_per_s: float
+    """global_batch x seq_length / step_time_s."""
+    tflops_per_rank: float
+    """Model FLOPs (with recomputation, as Megatron/ZeRO++ report) / step time / ranks, in TFLOP/s."""
+    nodes: int
+    bytes: dict[str, TagBytes] = field(default_factory=dict)
+    """Per dimension tag (dp.grad, dp.param, dp.param.bwd, tp, pp): job-wide intra/inter bytes per iteration,
+    the quantity ``comm_stats().summed_over_ranks()`` counts."""
+
+    @property
+    def inter_bytes(self) -> int:
+        return sum(b.inter for b in self.bytes.values())
+
+    @property
+    def inter_bytes_per_node(self) -> float:
+        """Bytes leaving one node per iteration (the ZeRO++ paper's M / 3M accounting)."""
+        return self.inter_bytes / self.nodes
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["inter_bytes_per_node"] = self.inter_bytes_per_node
+        return d
+
+
+# ---------------------------------------------------------------------------------------------- model shape
+
+
+def padded_vocab(workload: WorkloadSpec) -> int:
+    m = workload.model
+    multiple = m.make_vocab_size_divisible_by * workload.layout.tp
+    return math.ceil(m.vocab / multiple) * multiple
+
+
+def layer_params(workload: WorkloadSpec) -> int:
+    """One transformer layer: QKV + projection + two MLP matrices, their biases, two LayerNorms."""
+    h, f = workload.model.hidden, workload.model.ffn_hidden
+    return 4 * h * h + 2 * h * f + 9 * h + f
+
+
+def total_params(workload: WorkloadSpec) -> int:
+    """All parameters (embeddings tied with the output layer, as Megatron's GPT by default)."""
+    m = workload.model
+    positions = m.seq_length * m.hidden if m.learned_position_embeddings else 0
+    return m.layers * layer_params(workload) + padded_vocab(workload) * m.hidden + positions + 2 * m.hidden
+
+
+def forward_flops(workload: WorkloadSpec) -> tuple[float, float]:
+    """(one layer, the output logits) forward FLOPs of one micro-batch (Narayanan et al.: 2 FLOPs per MAC,
+    attention scores and values 4 b s^2 h)."""
+    m, b = workload.model, workload.layout.micro_batch
+    tokens = b * m.seq_length
+    layer = 2 * tokens * (4 * m.hidden ** 2 + 2 * m.hidden * m.ffn_hidden) + 4 * b * m.seq_length ** 2 * m.hidden
+    return layer, 2 * tokens * m.hidden * padded_vocab(workload)
+
+
+def iteration_flops(workload: WorkloadSpec) -> float:
+    """Model FLOPs of one iteration, all ranks: forward + 2x backward (+1 forward of layers if recomputing)."""
+    layer, logits = forward_flops(workload)
+    lay = workload.layout
+    per_microbatch = 3 * (workload.model.layers * layer + logits) + (workload.model.layers * layer
+                                                                     if lay.activation_recompute else 0)
+    return per_microbatch * lay.microbatches * lay.dp
+
+
+# ---------------------------------------------------------------------------------------------- groups
+
+
+def parallel_groups(cluster: ClusterSpec, workload: WorkloadSpec) -> dict[str, Group]:
+    """The first tp / dp / pp group under Megatron's rank order (tp fastest, then dp, then pp)."""
+    lay, g = workload.layout, cluster.ranks_per_node
+    t, d, p = lay.tp, lay.dp, lay.pp
+    if t * d * p != cluster.world_size:
+        raise ValueError(f"layout tp x dp x pp = {t} x {d} x {p} = {t * d * p} but cluster {cluster.name!r} has "
+                         f"{cluster.nodes} x {cluster.ranks_per_node} = {cluster.world_size} ranks")
+    return {"tp": C.make_group(list(range(t)), g, d * p),
+            "dp": C.make_group([t * j for j in range(d)], g, t * p),
+            "pp": C.make_group([t * d * j for j in range(p)], g, t * d)}
+
+
+def _phase(gamma: float, compute: float, head: float, body: float, tail: float, overlap: bool) -> float:
+    """Agarwal et al.'s overlap: the head's and tail's collectives cannot overlap (the first bucket is needed
+    before compute starts, the last is ready only when it ends); the body hides behind gamma-slowed compute."""
+    if not overlap:
+        return compute + head + body + tail
+    return head + max(gamma * compute, body) + tail
+
+
+def _sum(costs: list[Cost]) -> Cost:
+    out = Cost()
+    for c in costs:
+        out = out + c
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- predict
+
+
+def predict(cluster: ClusterSpec, workload: WorkloadSpec,
+            policy: str | Policy | ModelledPolicy = "megatron") -> Prediction:
+    """Predict one iteration of ``workload`` on ``cluster`` under ``policy`` (see ``resolve``).
+
+    A policy that compresses dp.grad for only a fraction of iterations (``dp_grad_until``) returns the
+    iteration average: that fraction of compressed iterations, the rest uncompressed.
+    """
+    mp = resolve(policy)
+    until = mp.policy.dp_grad_until
+    if until >= 1 or not mp.policy.compresses("dp.grad"):
+        return _predict(cluster, workload, mp)
+    always = dataclasses.replace(mp, policy=dataclasses.replace(mp.policy, dp_grad_until=1.0))
+    codecs = {**mp.policy.codecs, "dp.grad": "none"}
+    never = dataclasses.replace(mp, policy=dataclasses.replace(mp.policy, codecs=codecs, dp_grad_intra=None))
+    return _mix(_predict(cluster, workload, always), _predict(cluster, workload, never), until, workload)
+
+
+def _predict(cluster: ClusterSpec, workload: WorkloadSpec, mp: ModelledPolicy) -> Prediction:
+    lay, model, pol = workload.layout, workload.model, mp.policy
+    if model.hidden % lay.tp or model.layers % lay.pp:
+        raise ValueError(f"hidden={model.hidden} must divide by tp={lay.tp} and layers={model.layers} by pp={lay.pp}")
+    groups = parallel_groups(cluster, workload)
+    m, layers = lay.microbatches, model.layers // lay.pp
+    tag_costs: dict[str, Cost] = {tag: Cost() for tag in TAGS}  # one group's costs per iteration
+
+    # Compute per micro-batch per stage (uniform split across stages; logits spread evenly too).
+    layer_flops, logits_flops = forward_flops(workload)
+    measured = [x for x in cluster.measured_layers if (x.hidden, x.seq_length, x.micro_batch, x.tp)
+                == (model.hidden, model.seq_length, lay.micro_batch, lay.tp)]
+    if measured:
+        layer_f, layer_b = measured[0].fwd_bwd_s / 3, 2 * measured[0].fwd_bwd_s / 3  # backward ~ 2x forward
+    else:
+        layer_f = layer_flops / (lay.tp * cluster.compute_flops)
+        layer_b = 2 * layer_f
+    logits_f = logits_flops / (lay.pp * lay.tp * cluster.compute_flops)
+    math_f = layers * layer_f + logits_f
+    math_b = layers * (layer_b + (layer_f if lay.activation_recompute else 0)) + 2 * logits_f
+
+    # Tensor parallel: Megatron's 2 all-reduces per layer forward, 2 backward (2 more when recomputing).
+    tp_f = tp_b = 0.0
+    if lay.tp > 1:
+        act = lay.micro_batch * model.seq_length * model.hidden
+        spec = pol.codec("tp")
+        ar = (C.torch_all_reduce(cluster, groups["tp"], ceil_div(act, lay.tp), lay.param_bytes)
+              if spec == "none" else
+              C.compressed_all_reduce(cluster, groups["tp"], act, spec, None, 1, lay.param_bytes))
+        n_f, n_b = 2 * layers, (2 + (2 if lay.activation_recompute else 0)) * layers
+        tp_f, tp_b = n_f * ar.total_s, n_b * ar.total_s
+        tag_costs["tp"] = ar.scaled((n_f + n_b) * m)
+    fwd, bwd = math_f + tp_f, math_b + tp_b
+
+    # Pipeline: 1F1B bubble and one p2p per micro-batch slot each way, not hidden.
+    pp_s = 0.0
+    if lay.pp > 1:
+        act = lay.micro_batch * model.seq_length * model.hidden
+        stride = lay.tp * lay.dp  # ranks between consecutive stages
+        crosses = stride >= cluster.ranks_per_node
+        send = C.p2p(cluster, crosses, min(stride, cluster.ranks_per_node), act, pol.codec("pp"), lay.param_bytes)
+        pp_s = 2 * (m + lay.pp - 1) * send.total_s
+        # One pipeline group: each of its pp - 1 boundaries sends forward and backward, every micro-batch.
+        tag_costs["pp"] = send.scaled(2 * m * (lay.pp - 1))
+    bubble = (lay.pp - 1) * (fwd + bwd)
+
+    # Data parallel: buckets of this rank's (tp, pp) slice of the model.
+    dp_group = groups["dp"]
+    local_params = math.ceil(total_params(workload) / (lay.tp * lay.pp))
+    bucket = lay.bucket_size or (math.ceil(layer_params(workload) / lay.tp) if lay.zero_mode == "fsdp"
+                                 else max(40_000_000, 1_000_000 * lay.dp))  # Megatron's default
+    k = math.ceil(local_params / bucket)
+    sizes = [bucket] * (k - 1) + [local_params - (k - 1) * bucket]
+    grad_spec, param_spec = pol.codec("dp.grad"), pol.codec("dp.param")
+    stages = pol.qgz_stages
+
+    def shard(numel: int) -> int:
+        return ceil_div(numel, lay.dp)
+
+    def grad_cost(numel: int) -> Cost:
+        torch_path = grad_spec == "none" and not mp.fair
+        if lay.zero_mode == "ddp":
+            if torch_path:
+                return C.torch_all_reduce(cluster, dp_group, shard(numel), lay.grad_bytes)
+            return C.compressed_all_reduce(cluster, dp_group, numel, grad_spec, pol.dp_grad_intra, stages,
+                                           lay.grad_bytes)
+        if torch_path:
+            return C.torch_reduce_scatter(cluster, dp_group, shard(numel), lay.grad_bytes)
+        return C.hierarchical_reduce_scatter(cluster, dp_group, shard(numel), grad_spec, pol.dp_grad_intra, stages,
+                                             lay.grad_bytes)
+
+    def param_cost(numel: int, backward: bool) -> Cost:
+        if backward and pol.hpz_size != 1:
+            hpz = dp_group.node_size if pol.hpz_size is None else pol.hpz_size
+            return C.hpz_gather(cluster, dp_group, hpz, shard(numel), param_spec, lay.param_bytes)
+        return C.all_gather(cluster, dp_group, shard(numel), param_spec, lay.param_bytes)
+
+    g = cluster.gamma
+    rs = [grad_cost(n) for n in sizes]
+    rs_overlaps = lay.overlap_grad_reduce and (lay.compressed_reduce_overlaps or grad_spec == "none"
+                                               or lay.zero_mode != "fsdp")
+    if lay.zero_mode == "fsdp":  # every micro-batch: gather forward, gather backward, reduce-scatter
+        ag = [param_cost(n, False) for n in sizes]
+        agb = [param_cost(n, True) for n in sizes]
+        f_ph = _phase(g, fwd, ag[0].total_s, _sum(ag[1:]).total_s, 0.0, lay.overlap_param_gather)
+        opg = lay.overlap_param_gather
+        head = agb[0].total_s if opg else _sum(agb).total_s
+        body = (_sum(agb[1:]).total_s if opg else 0.0) + (_sum(rs[:-1]).total_s if rs_overlaps else 0.0)
+        tail = rs[-1].total_s if rs_overlaps else _sum(rs).total_s
+        b_ph = _phase(g, bwd, head, body, tail, opg or rs_overlaps)
+        dp_extra = m * (f_ph - fwd + b_ph - bwd)
+        tag_costs["dp.param"], tag_costs["dp.param.bwd"] = _sum(ag).scaled(m), _sum(agb).scaled(m)
+        tag_costs["dp.grad"] = _sum(rs).scaled(m)
+    else:  # once per iteration: reduce in the last backward, gather (distopt) in the next first forward
+        dp_extra = _phase(g, bwd, 0.0, _sum(rs[:-1]).total_s, rs[-1].total_s, rs_overlaps) - bwd
+        tag_costs["dp.grad"] = _sum(rs)
+        if lay.zero_mode == "distopt":
+            ag = [param_cost(n, False) for n in sizes]
+            dp_extra += _phase(g, fwd, ag[0].total_s, _sum(ag[1:]).total_s, 0.0, lay.overlap_param_gather) - fwd
+            tag_costs["dp.param"] = _sum(ag)
+
+    dp_all = _sum([tag_costs[t] for t in ("dp.grad", "dp.param", "dp.param.bwd")])
+    codec_share = dp_all.codec_s / dp_all.total_s if dp_all.total_s else 0.0
+    params_per_rank = local_params / (1 if lay.zero_mode == "ddp" else lay.dp)
+    optimizer = params_per_rank / cluster.optimizer_params_per_s + cluster.optimizer_overhead_s
+
+    compute = m * (math_f + math_b)
+    step = compute + m * (tp_f + tp_b) + bubble + pp_s + dp_extra + optimizer
+    tokens = lay.global_batch * model.seq_length
+    bytes_ = {t: TagBytes(c.intra_bytes * groups[t.split(".")[0]].count, c.inter_bytes * groups[t.split(".")[0]].count)
+              for t, c in tag_costs.items()}
+    return Prediction(
+        policy=mp.name, cluster=cluster.name, workload=workload.name, step_time_s=step, compute_s=compute,
+        tp_comm_s=m * (tp_f + tp_b), pp_comm_s=pp_s, bubble_s=bubble,
+        dp_exposed_comm_s=dp_extra * (1 - codec_share), codec_exposed_s=dp_extra * codec_share,
+        optimizer_s=optimizer, dp_comm_total_s=dp_all.wire_s,
+        codec_total_s=sum(c.codec_s for c in tag_costs.values()), fwd_s=fwd, bwd_s=bwd,
+        tokens_per_s=tokens / step, tflops_per_rank=iteration_flops(workload) / step / cluster.world_size / 1e12,
+        nodes=cluster.nodes, bytes=bytes_)
+
+
+def _mix(a: Prediction, b: Prediction, frac: float, workload: WorkloadSpec) -> Prediction:
+    """``frac`` of iterations like ``a``, the rest like ``b`` (times and bytes averaged per iteration)."""
+    out = dataclasses.replace(a)
+    for f in dataclasses.fields(Prediction):
+        va, vb = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(va, float):
+            setattr(out, f.name, frac * va + (1 - frac) * vb)
+    out.bytes = {t: TagBytes(round(frac * a.bytes[t].intra + (1 - frac) * b.bytes[t].intra),
+                             round(frac * a.bytes[t].inter + (1 - frac) * b.bytes[t].inter)) for t in a.bytes}
+    out.tokens_per_s = workload.layout.global_batch * workload.model.seq_length / out.step_time_s
+    out.tflops_per_rank = a.tflops_per_rank * a.step_time_s / out.step_time_s
+    return out
