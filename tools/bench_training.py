@@ -1,0 +1,307 @@
+"""Training benchmark on an emulated slow cluster: policies x inter-node rates x ZeRO paths.
+
+For every (path, rate): one emulated cluster (``tools/netemu.py``: N namespaces x R gloo ranks,
+``tc`` on both directions of each node's link), one ``torchrun`` launch per node that trains the
+same model once per policy (in one process, so start-up is paid once per rate), and per run:
+seconds per iteration and tokens/s (after the first iteration), cross-node bytes per iteration
+counted by ``comm_stats`` and measured on the emulated NICs over the same window, and the host
+step-time breakdown (compute and the rest, exposed data-parallel communication, codec).
+
+    sudo python tools/bench_training.py --rates 25mbit,100mbit,unshaped --policies megatron,fair,zeropp
+    python tools/bench_training.py --plot-only docs/bench/training.csv    # redraw from a CSV
+
+Writes ``training.csv`` (one row per run, appended as runs finish) and ``throughput.png``
+(tokens/s vs inter-node rate, one line per policy, like the ZeRO++ paper's Figure 13) and
+``breakdown.png`` (stacked step time per policy at each rate) into ``--out-dir``. With
+``--cluster CLUSTER.yaml`` each row also gets the performance model's prediction.
+
+Policies: ``megatron`` (Megatron's own collectives: gloo's reduce-scatter is an all-reduce),
+``fair`` (the project's uncompressed 2-hop reduce-scatter and ring all-gather), ``qwz``, ``hpz``
+(Megatron-FSDP only), ``qgz``, and every preset in ``configs/policies``.
+Needs root for the namespaces (see netemu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
+
+# The make-train model: 4 layers, hidden 256, sequence 256, global batch 32, fp32 (bf16 GEMMs on
+# CPU take ~45 s/iteration and would hide every link effect).
+MODEL_ARGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
+              "--micro-batch-size", "4", "--global-batch-size", "32", "--lr", "1e-3", "--min-lr", "1e-4",
+              "--lr-warmup-iters", "2", "--eval-iters", "0"]
+PATHS = {
+    "distopt": ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
+    "fsdp": ["--use-megatron-fsdp", "--overlap-grad-reduce", "--overlap-param-gather"],
+}
+# Single ZeRO++ components on an otherwise uncompressed (fair) baseline, so each one's effect is its own.
+COMPONENTS = {
+    "megatron": ["--zpp-policy", "none"],
+    "fair": ["--zpp-policy", "fair"],
+    "qwz": ["--zpp-policy", "fair", "--zpp-dp-param", "int8:block=256"],
+    "hpz": ["--zpp-policy", "fair", "--zpp-hpz-size", "{ranks_per_node}"],
+    "qgz": ["--zpp-policy", "fair", "--zpp-dp-grad", "int4:block=128"],
+}
+DEFAULT_RATES = "25mbit,50mbit,100mbit,250mbit,1gbit,unshaped"
+FIELDS = ["path", "rate", "rate_bits_per_s", "policy", "iterations", "seconds_per_iteration", "tokens_per_s",
+          "compute_s", "exposed_comm_s", "codec_s", "inter_bytes_per_iteration", "nic_payload_bytes_per_iteration",
+          "nic_over_counted", "final_loss", "replicas_identical", "predicted_seconds_per_iteration",
+          "predicted_inter_bytes_per_iteration", "date", "machine"]
+
+
+def policy_flags(name: str, ranks_per_node: int) -> list[str]:
+    from megatron_zpp.policy import available_presets
+
+    if name in COMPONENTS:
+        return [f.format(ranks_per_node=ranks_per_node) for f in COMPONENTS[name]]
+    if name in available_presets():
+        return ["--zpp-policy", name]
+    raise ValueError(f"policy {name!r}: valid: {', '.join(list(COMPONENTS) + available_presets())}")
+
+
+def all_policies() -> list[str]:
+    from megatron_zpp.policy import available_presets
+
+    return list(COMPONENTS) + [p for p in available_presets() if p not in ("none", "fair")]
+
+
+# ------------------------------------------------------------------ worker (runs under torchrun)
+def worker(a) -> None:
+    """Train once per policy in this process (every rank), writing each run's summary."""
+    import torch.distributed as dist
+
+    from megatron_zpp.training.trainer import pretrain
+
+    base = json.loads(a.worker_args)
+    rank = int(os.environ.get("RANK", "0"))
+    for name in a.policies.split(","):
+        out = Path(a.worker) / f"{name}.json"
+        log = print if rank == 0 else (lambda *args, **kwargs: None)
+        if rank == 0:
+            print(f"bench_training: policy {name}", flush=True)
+        pretrain(base + policy_flags(name, a.ranks_per_node) + ["--summary-json", str(out)], log=log)
+        if dist.is_initialized():
+            dist.barrier()
+
+
+# ------------------------------------------------------------------ driver
+def machine() -> str:
+    import platform
+
+    return f"{os.cpu_count()}-cpu {platform.machine()} {platform.node()}"
+
+
+def predict_row(cluster_yaml: Path | None, path: str, rate_bps: float | None, policy: str) -> tuple:
+    if cluster_yaml is None:
+        return "", ""
+    from megatron_zpp.perfmodel import load_cluster, load_workload, predict
+
+    cluster = load_cluster(cluster_yaml)
+    if rate_bps is not None:
+        cluster = cluster.with_inter_bandwidth(rate_bps / 8) if hasattr(cluster, "with_inter_bandwidth") else cluster
+    workload = load_workload(REPO / "configs" / "workloads" /
+                             ("tiny-gpt-2x2.yaml" if path == "distopt" else "tiny-gpt-2x2-fsdp.yaml"))
+    name = {"megatron": "megatron"}.get(policy, policy)
+    p = predict(cluster, workload, name)
+    return p.step_time_s, sum(t.inter for t in p.bytes.values())
+
+
+def run_sweep(a) -> Path:
+    from netemu import EmulatedCluster, NetemuConfig, free_port, parse_rate
+
+    out_dir = Path(a.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv_path = out_dir / "training.csv"
+    new = not csv_path.exists() or not a.append
+    with open(csv_path, "w" if new else "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        if new:
+            writer.writeheader()
+        config = NetemuConfig(nodes=a.nodes, ranks_per_node=a.ranks_per_node)
+        with EmulatedCluster(config) as cluster:
+            for path in a.paths.split(","):
+                policies = [p for p in a.policies.split(",") if not (p == "hpz" and path != "fsdp")]
+                for rate in a.rates.split(","):
+                    rate_bps = None if rate == "unshaped" else parse_rate(rate)
+                    cluster.set_rate(None if rate == "unshaped" else rate)
+                    work = Path(tempfile.mkdtemp(prefix="bench_training"))
+                    script = [str(Path(__file__).resolve()), "--worker", str(work), "--policies", ",".join(policies),
+                              "--ranks-per-node", str(a.ranks_per_node), "--worker-args",
+                              json.dumps(MODEL_ARGS + PATHS[path] + ["--train-iters", str(a.iters),
+                                                                     "--log-interval", str(a.iters)])]
+                    print(f"\n=== {path}, inter-node {rate}: {', '.join(policies)}", flush=True)
+                    t0 = time.monotonic()
+                    result = cluster.run_torchrun(script, timeout=a.timeout, master_port=free_port(), python=a.python,
+                                                  echo=a.verbose, log_path=out_dir / f"log-{path}-{rate}.txt")
+                    if result.failure:
+                        print(f"FAILED ({result.failure}); see {out_dir}/log-{path}-{rate}.txt", flush=True)
+                    for name in policies:
+                        summary_file = work / f"{name}.json"
+                        if not summary_file.exists():
+                            continue
+                        s = json.loads(summary_file.read_text())
+                        iters = s["iterations"]
+                        nic = s.get("nic") or {}
+                        b = s["breakdown"]
+                        pred_s, pred_bytes = predict_row(a.cluster, path, rate_bps, name)
+                        row = {"path": path, "rate": rate, "rate_bits_per_s": rate_bps or "", "policy": name,
+                               "iterations": iters, "seconds_per_iteration": s["seconds_per_iteration"],
+                               "tokens_per_s": s["tokens_per_s"], "compute_s": b["compute_s"],
+                               "exposed_comm_s": b["exposed_comm_s"], "codec_s": b["codec_s"],
+                               "inter_bytes_per_iteration": s["inter_bytes"] / iters,
+                               "nic_payload_bytes_per_iteration": nic.get("payload_bytes", 0) / iters,
+                               "nic_over_counted": (nic.get("payload_bytes", 0) / s["inter_bytes"]
+                                                    if s["inter_bytes"] else ""),
+                               "final_loss": s["final_loss"], "replicas_identical": s["dp_replicas_identical"],
+                               "predicted_seconds_per_iteration": pred_s,
+                               "predicted_inter_bytes_per_iteration": pred_bytes,
+                               "date": time.strftime("%Y-%m-%d"), "machine": machine()}
+                        writer.writerow(row)
+                        f.flush()
+                        print(f"{path:8s} {rate:9s} {name:9s} {row['seconds_per_iteration'] * 1e3:8.0f} ms/it "
+                              f"{row['tokens_per_s']:7.0f} tok/s | compute {b['compute_s'] * 1e3:6.0f} exposed comm "
+                              f"{b['exposed_comm_s'] * 1e3:6.0f} codec {b['codec_s'] * 1e3:5.0f} ms | cross-node "
+                              f"{row['inter_bytes_per_iteration'] / 1e6:7.2f} MB/it counted, "
+                              f"{row['nic_payload_bytes_per_iteration'] / 1e6:7.2f} measured", flush=True)
+                    print(f"    ({time.monotonic() - t0:.0f} s for this rate)", flush=True)
+    return csv_path
+
+
+def read_rows(csv_path: Path) -> list[dict]:
+    with open(csv_path) as f:
+        return list(csv.DictReader(f))
+
+
+def report(rows: list[dict]) -> str:
+    """Per path and rate: each policy's step time and its speedup over both baselines."""
+    lines = []
+    for path in dict.fromkeys(r["path"] for r in rows):
+        for rate in dict.fromkeys(r["rate"] for r in rows if r["path"] == path):
+            sel = {r["policy"]: r for r in rows if r["path"] == path and r["rate"] == rate}
+            meg = float(sel["megatron"]["seconds_per_iteration"]) if "megatron" in sel else None
+            fair = float(sel["fair"]["seconds_per_iteration"]) if "fair" in sel else None
+            for name, r in sel.items():
+                t = float(r["seconds_per_iteration"])
+                lines.append(f"{path:8s} {rate:9s} {name:9s} {t * 1e3:8.0f} ms/it"
+                             + (f"  x{meg / t:5.2f} vs megatron" if meg else "")
+                             + (f"  x{fair / t:5.2f} vs fair" if fair else "")
+                             + f"  cross-node {float(r['inter_bytes_per_iteration']) / 1e6:7.2f} MB/it counted")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], out_dir: Path) -> list[Path]:
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ImportError("plots need matplotlib: pip install matplotlib") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = list(dict.fromkeys(r["path"] for r in rows))
+    stamp = f"{rows[0]['date']}, {rows[0]['machine']}" if rows else ""
+    fig, axes = plt.subplots(1, len(paths), figsize=(6.5 * len(paths), 4.5), squeeze=False)
+    for ax, path in zip(axes[0], paths):
+        sel = [r for r in rows if r["path"] == path]
+        shaped = sorted({float(r["rate_bits_per_s"]) for r in sel if r["rate_bits_per_s"]})
+        unshaped_x = (shaped[-1] * 4) if shaped else 1e9
+        for name in dict.fromkeys(r["policy"] for r in sel):
+            pts = sorted((float(r["rate_bits_per_s"]) if r["rate_bits_per_s"] else unshaped_x,
+                          float(r["tokens_per_s"])) for r in sel if r["policy"] == name)
+            ax.plot([p[0] / 1e6 for p in pts], [p[1] for p in pts], marker="o", label=name,
+                    linestyle="--" if name in ("megatron", "fair") else "-")
+        ax.set_xscale("log")
+        ticks = [x / 1e6 for x in shaped] + [unshaped_x / 1e6]
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([f"{t:g}" for t in ticks[:-1]] + ["unshaped"], rotation=30)
+        ax.set_xlabel("inter-node link per node and direction (Mbit/s)")
+        ax.set_ylabel("tokens/s (measured)")
+        ax.set_title(f"{path}: 2 emulated nodes x 2 gloo ranks")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Training throughput vs inter-node bandwidth ({stamp})", fontsize=10)
+    fig.tight_layout()
+    throughput = out_dir / "throughput.png"
+    fig.savefig(throughput, dpi=110)
+    plt.close(fig)
+
+    rates = list(dict.fromkeys(r["rate"] for r in rows))
+    fig, axes = plt.subplots(len(paths), len(rates), figsize=(3.2 * len(rates), 3.6 * len(paths)), squeeze=False)
+    for i, path in enumerate(paths):
+        for j, rate in enumerate(rates):
+            ax = axes[i][j]
+            sel = [r for r in rows if r["path"] == path and r["rate"] == rate]
+            names = [r["policy"] for r in sel]
+            bottom = [0.0] * len(sel)
+            for key, colour in (("compute_s", "tab:blue"), ("exposed_comm_s", "tab:red"), ("codec_s", "tab:green")):
+                vals = [max(float(r[key]), 0.0) for r in sel]
+                ax.bar(names, vals, bottom=bottom, color=colour, label=key[:-2].replace("_", " "))
+                bottom = [b + v for b, v in zip(bottom, vals)]
+            ax.set_title(f"{path}, {rate}", fontsize=9)
+            ax.tick_params(axis="x", rotation=60, labelsize=7)
+            if j == 0:
+                ax.set_ylabel("seconds / iteration")
+            if i == 0 and j == 0:
+                ax.legend(fontsize=7)
+    fig.suptitle(f"Per-iteration breakdown, measured on the host ({stamp})", fontsize=10)
+    fig.tight_layout()
+    breakdown = out_dir / "breakdown.png"
+    fig.savefig(breakdown, dpi=100)
+    plt.close(fig)
+    return [throughput, breakdown]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--paths", default="distopt,fsdp", help=f"ZeRO paths: {', '.join(PATHS)}")
+    p.add_argument("--policies", default=None, help="comma-separated (default: all: megatron, fair, qwz, hpz, "
+                                                    "qgz and every preset)")
+    p.add_argument("--rates", default=DEFAULT_RATES, help="inter-node rates in tc units, or 'unshaped'")
+    p.add_argument("--iters", type=int, default=8, help="training iterations per run (the first is not timed)")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--out-dir", default=str(REPO / "docs" / "bench"))
+    p.add_argument("--append", action="store_true", help="append to an existing training.csv")
+    p.add_argument("--cluster", type=Path, default=None, help="cluster YAML: add the model's predictions")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per (path, rate) launch")
+    p.add_argument("--python", default=sys.executable)
+    p.add_argument("--verbose", action="store_true", help="echo node 0's training log")
+    p.add_argument("--plot-only", type=Path, default=None, help="redraw plots and the report from this CSV")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-args", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        worker(a)
+        return 0
+    if a.plot_only:
+        rows = read_rows(a.plot_only)
+        print(report(rows))
+        for f in plot(rows, a.plot_only.parent):
+            print(f"wrote {f}")
+        return 0
+    a.policies = a.policies or ",".join(all_policies())
+    for name in a.policies.split(","):
+        policy_flags(name, a.ranks_per_node)  # fail before any namespace exists
+    for path in a.paths.split(","):
+        if path not in PATHS:
+            p.error(f"path {path!r}: valid: {', '.join(PATHS)}")
+    csv_path = run_sweep(a)
+    rows = read_rows(csv_path)
+    print("\n" + report(rows))
+    for f in plot(rows, csv_path.parent):
+        print(f"wrote {f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
