@@ -26,6 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO-3 via Megatron-FSDP (parameters, gradients and optimizer state sharded)")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="parameters per data-parallel communication bucket (Megatron's default: one bucket of "
+                        "max(40M, 1M x DP) with the distributed optimizer; smaller buckets let the gradient "
+                        "reduce-scatter and the parameter all-gather overlap compute in a small model)")
     g.add_argument("--no-overlap-p2p-communication", dest="overlap_p2p_communication", action="store_false",
                    help="interleaved schedule: batched, non-overlapped p2p instead of Megatron-LM's default "
                         "overlapped p2p")

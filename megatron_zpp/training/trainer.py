@@ -142,7 +142,8 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         config, chunks = _build_model(args, device)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=args.overlap_grad_reduce,
-            overlap_param_gather=args.overlap_param_gather, use_distributed_optimizer=args.use_distributed_optimizer)
+            overlap_param_gather=args.overlap_param_gather, use_distributed_optimizer=args.use_distributed_optimizer,
+            bucket_size=args.ddp_bucket_size)
         if args.use_megatron_fsdp:
             from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
