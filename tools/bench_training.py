@@ -40,7 +40,11 @@ sys.path.insert(0, str(REPO / "tools"))
 # CPU take ~45 s/iteration and would hide every link effect).
 MODEL_ARGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
               "--micro-batch-size", "4", "--global-batch-size", "32", "--lr", "1e-3", "--min-lr", "1e-4",
-              "--lr-warmup-iters", "2", "--eval-iters", "0"]
+              "--lr-warmup-iters", "2", "--eval-iters", "0",
+              # ~7 buckets of the 3.3M parameters (Megatron's default makes one, which no collective can
+              # overlap): as a large model has, so gradient reduce-scatters overlap the backward pass and
+              # parameter all-gathers the forward pass. Megatron-FSDP buckets per module and ignores it.
+              "--ddp-bucket-size", "500000"]
 PATHS = {
     "distopt": ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
     "fsdp": ["--use-megatron-fsdp", "--overlap-grad-reduce", "--overlap-param-gather"],
