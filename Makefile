@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train test bench bench-codecs bench-collectives cuda-build clean
+.PHONY: train test bench bench-codecs bench-collectives sweep cuda-build clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/include/zpp/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,16 @@ bench-codecs: $(STAMP)
 
 bench-collectives: $(STAMP)
 	$(PY) tools/bench_collectives.py $(ARGS)
+
+# W&B policy sweep (tools/sweep.py) on the emulated 2-node x 2-rank cluster, offline W&B runs; the
+# table, plots and runs land in $(SWEEP_OUT). Needs root: netemu creates network namespaces and tc
+# qdiscs. `make sweep SWEEP=configs/sweeps/policies-vs-bandwidth.yaml` runs the full grid (hours).
+SWEEP ?= configs/sweeps/smoke.yaml
+SWEEP_OUT ?= out/sweeps/$(basename $(notdir $(SWEEP)))
+
+sweep: $(STAMP)
+	@test "$$(id -u)" = 0 || { echo "make sweep needs root (netemu: namespaces, tc): sudo make sweep"; exit 1; }
+	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) tools/sweep.py $(SWEEP) --local --out-dir $(SWEEP_OUT) $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)

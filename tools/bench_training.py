@@ -71,7 +71,7 @@ def policy_flags(name: str, ranks_per_node: int) -> list[str]:
         return [f.format(ranks_per_node=ranks_per_node) for f in COMPONENTS[name]]
     if name in available_presets():
         return ["--zpp-policy", name]
-    raise ValueError(f"policy {name!r}: valid: {', '.join(list(COMPONENTS) + available_presets())}")
+    raise ValueError(f"policy {name!r}: valid: {', '.join(dict.fromkeys(list(COMPONENTS) + available_presets()))}")
 
 
 def all_policies() -> list[str]:
@@ -88,13 +88,16 @@ def worker(a) -> None:
     from megatron_zpp.training.trainer import pretrain
 
     base = json.loads(a.worker_args)
+    # Per-policy extra flags (tools/sweep.py: each policy's W&B run name and config).
+    extra = json.loads(a.worker_extra) if a.worker_extra else {}
     rank = int(os.environ.get("RANK", "0"))
     for name in a.policies.split(","):
         out = Path(a.worker) / f"{name}.json"
         log = print if rank == 0 else (lambda *args, **kwargs: None)
         if rank == 0:
             print(f"bench_training: policy {name}", flush=True)
-        pretrain(base + policy_flags(name, a.ranks_per_node) + ["--summary-json", str(out)], log=log)
+        pretrain(base + policy_flags(name, a.ranks_per_node) + extra.get(name, []) + ["--summary-json", str(out)],
+                 log=log)
         if dist.is_initialized():
             dist.barrier()
 
@@ -121,8 +124,69 @@ def predict_row(cluster_yaml: Path | None, path: str, rate_bps: float | None, po
     return p.step_time_s, sum(t.inter for t in p.bytes.values())
 
 
+def launch(cluster, path: str, rate: str, policies: list[str], *, iters: int, log_dir: Path,
+           log_interval: int | None = None, timeout: float = 3600, python: str = sys.executable,
+           verbose: bool = False, extra_flags: dict[str, list[str]] | None = None) -> tuple:
+    """One ``torchrun`` launch on ``cluster`` at inter-node ``rate`` that trains each policy in turn.
+
+    Returns ``(result, summaries)``: netemu's ``RunResult`` and ``{policy: run summary}`` for the
+    policies that finished (a failed launch keeps those before the failure). ``extra_flags`` adds
+    trainer flags per policy. Node output goes to ``log_dir/log-{path}-{rate}.txt``.
+    """
+    from netemu import free_port
+
+    if path not in PATHS:
+        raise ValueError(f"path {path!r}: valid: {', '.join(PATHS)}")
+    cluster.set_rate(None if rate == "unshaped" else rate)
+    work = Path(tempfile.mkdtemp(prefix="bench_training"))
+    ranks_per_node = cluster.config.ranks_per_node
+    script = [str(Path(__file__).resolve()), "--worker", str(work), "--policies", ",".join(policies),
+              "--ranks-per-node", str(ranks_per_node), "--worker-args",
+              json.dumps(MODEL_ARGS + PATHS[path] + ["--train-iters", str(iters),
+                                                     "--log-interval", str(log_interval or iters)])]
+    if extra_flags:
+        script += ["--worker-extra", json.dumps(extra_flags)]
+    log_path = Path(log_dir) / f"log-{path}-{rate}.txt"
+    result = cluster.run_torchrun(script, timeout=timeout, master_port=free_port(), python=python, echo=verbose,
+                                  log_path=log_path)
+    if result.failure:
+        print(f"FAILED ({result.failure}); see {log_path}", flush=True)
+    summaries = {name: json.loads((work / f"{name}.json").read_text()) for name in policies
+                 if (work / f"{name}.json").exists()}
+    return result, summaries
+
+
+def summary_row(path: str, rate: str, name: str, s: dict, cluster_yaml: Path | None = None) -> dict:
+    """One CSV row (``FIELDS``) from a run summary; NIC bytes are 0 when ``ZPP_NIC`` was not set."""
+    from netemu import parse_rate
+
+    rate_bps = None if rate == "unshaped" else parse_rate(rate)
+    iters = s["iterations"]
+    nic = s.get("nic") or {}
+    b = s["breakdown"]
+    pred_s, pred_bytes = predict_row(cluster_yaml, path, rate_bps, name)
+    return {"path": path, "rate": rate, "rate_bits_per_s": rate_bps or "", "policy": name,
+            "iterations": iters, "seconds_per_iteration": s["seconds_per_iteration"],
+            "tokens_per_s": s["tokens_per_s"], "compute_s": b["compute_s"],
+            "exposed_comm_s": b["exposed_comm_s"], "codec_s": b["codec_s"],
+            "inter_bytes_per_iteration": s["inter_bytes"] / iters,
+            "nic_payload_bytes_per_iteration": nic.get("payload_bytes", 0) / iters,
+            "nic_over_counted": (nic.get("payload_bytes", 0) / s["inter_bytes"] if s["inter_bytes"] else ""),
+            "final_loss": s["final_loss"], "replicas_identical": s["dp_replicas_identical"],
+            "predicted_seconds_per_iteration": pred_s, "predicted_inter_bytes_per_iteration": pred_bytes,
+            "date": time.strftime("%Y-%m-%d"), "machine": machine()}
+
+
+def row_text(row: dict) -> str:
+    return (f"{row['path']:8s} {row['rate']:9s} {row['policy']:9s} {row['seconds_per_iteration'] * 1e3:8.0f} ms/it "
+            f"{row['tokens_per_s']:7.0f} tok/s | compute {row['compute_s'] * 1e3:6.0f} exposed comm "
+            f"{row['exposed_comm_s'] * 1e3:6.0f} codec {row['codec_s'] * 1e3:5.0f} ms | cross-node "
+            f"{row['inter_bytes_per_iteration'] / 1e6:7.2f} MB/it counted, "
+            f"{row['nic_payload_bytes_per_iteration'] / 1e6:7.2f} measured")
+
+
 def run_sweep(a) -> Path:
-    from netemu import EmulatedCluster, NetemuConfig, free_port, parse_rate
+    from netemu import EmulatedCluster, NetemuConfig
 
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -137,47 +201,15 @@ def run_sweep(a) -> Path:
             for path in a.paths.split(","):
                 policies = [p for p in a.policies.split(",") if not (p == "hpz" and path != "fsdp")]
                 for rate in a.rates.split(","):
-                    rate_bps = None if rate == "unshaped" else parse_rate(rate)
-                    cluster.set_rate(None if rate == "unshaped" else rate)
-                    work = Path(tempfile.mkdtemp(prefix="bench_training"))
-                    script = [str(Path(__file__).resolve()), "--worker", str(work), "--policies", ",".join(policies),
-                              "--ranks-per-node", str(a.ranks_per_node), "--worker-args",
-                              json.dumps(MODEL_ARGS + PATHS[path] + ["--train-iters", str(a.iters),
-                                                                     "--log-interval", str(a.iters)])]
                     print(f"\n=== {path}, inter-node {rate}: {', '.join(policies)}", flush=True)
                     t0 = time.monotonic()
-                    result = cluster.run_torchrun(script, timeout=a.timeout, master_port=free_port(), python=a.python,
-                                                  echo=a.verbose, log_path=out_dir / f"log-{path}-{rate}.txt")
-                    if result.failure:
-                        print(f"FAILED ({result.failure}); see {out_dir}/log-{path}-{rate}.txt", flush=True)
-                    for name in policies:
-                        summary_file = work / f"{name}.json"
-                        if not summary_file.exists():
-                            continue
-                        s = json.loads(summary_file.read_text())
-                        iters = s["iterations"]
-                        nic = s.get("nic") or {}
-                        b = s["breakdown"]
-                        pred_s, pred_bytes = predict_row(a.cluster, path, rate_bps, name)
-                        row = {"path": path, "rate": rate, "rate_bits_per_s": rate_bps or "", "policy": name,
-                               "iterations": iters, "seconds_per_iteration": s["seconds_per_iteration"],
-                               "tokens_per_s": s["tokens_per_s"], "compute_s": b["compute_s"],
-                               "exposed_comm_s": b["exposed_comm_s"], "codec_s": b["codec_s"],
-                               "inter_bytes_per_iteration": s["inter_bytes"] / iters,
-                               "nic_payload_bytes_per_iteration": nic.get("payload_bytes", 0) / iters,
-                               "nic_over_counted": (nic.get("payload_bytes", 0) / s["inter_bytes"]
-                                                    if s["inter_bytes"] else ""),
-                               "final_loss": s["final_loss"], "replicas_identical": s["dp_replicas_identical"],
-                               "predicted_seconds_per_iteration": pred_s,
-                               "predicted_inter_bytes_per_iteration": pred_bytes,
-                               "date": time.strftime("%Y-%m-%d"), "machine": machine()}
+                    _, summaries = launch(cluster, path, rate, policies, iters=a.iters, log_dir=out_dir,
+                                          timeout=a.timeout, python=a.python, verbose=a.verbose)
+                    for name, s in summaries.items():
+                        row = summary_row(path, rate, name, s, a.cluster)
                         writer.writerow(row)
                         f.flush()
-                        print(f"{path:8s} {rate:9s} {name:9s} {row['seconds_per_iteration'] * 1e3:8.0f} ms/it "
-                              f"{row['tokens_per_s']:7.0f} tok/s | compute {b['compute_s'] * 1e3:6.0f} exposed comm "
-                              f"{b['exposed_comm_s'] * 1e3:6.0f} codec {b['codec_s'] * 1e3:5.0f} ms | cross-node "
-                              f"{row['inter_bytes_per_iteration'] / 1e6:7.2f} MB/it counted, "
-                              f"{row['nic_payload_bytes_per_iteration'] / 1e6:7.2f} measured", flush=True)
+                        print(row_text(row), flush=True)
                     print(f"    ({time.monotonic() - t0:.0f} s for this rate)", flush=True)
     return csv_path
 
@@ -225,6 +257,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
             ax.plot([p[0] / 1e6 for p in pts], [p[1] for p in pts], marker="o", label=name,
                     linestyle="--" if name in ("megatron", "fair") else "-")
         ax.set_xscale("log")
+        ax.minorticks_off()  # only the measured rates are labelled (minor log ticks would add 6x10^1 etc.)
         ticks = [x / 1e6 for x in shaped] + [unshaped_x / 1e6]
         ax.set_xticks(ticks)
         ax.set_xticklabels([f"{t:g}" for t in ticks[:-1]] + ["unshaped"], rotation=30)
@@ -283,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot-only", type=Path, default=None, help="redraw plots and the report from this CSV")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-args", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-extra", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
         worker(a)

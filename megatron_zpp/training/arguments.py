@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-project", default=None)
     g.add_argument("--wandb-exp-name", default=None)
     g.add_argument("--wandb-save-dir", default=None)
+    g.add_argument("--wandb-group", default=None, help="W&B run group (tools/sweep.py: the sweep's name)")
+    g.add_argument("--wandb-job-type", default=None, help="W&B job type (tools/sweep.py: the ZeRO path)")
+    g.add_argument("--wandb-config", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra W&B config entry, repeatable (tools/sweep.py: the emulated link rate); VALUE is "
+                        "read as JSON when it parses, else kept as a string")
     add_zpp_args(p)
     return p
 
@@ -119,6 +124,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     args.overlap_p2p_communication = bool(args.overlap_p2p_communication and args.virtual_pipeline_model_parallel_size)
     if args.overlap_param_gather and not (args.use_distributed_optimizer or args.use_megatron_fsdp):
         raise ValueError("--overlap-param-gather needs --use-distributed-optimizer or --use-megatron-fsdp")
+    args.wandb_config = parse_wandb_config(args.wandb_config)
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
@@ -126,3 +132,21 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ValueError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
                          f"{args.max_position_embeddings}")
     return args
+
+
+def parse_wandb_config(entries: list[str] | dict) -> dict:
+    """``["rate=25mbit", "iters=8"]`` -> ``{"rate": "25mbit", "iters": 8}`` (idempotent on a dict)."""
+    import json
+
+    if isinstance(entries, dict):
+        return entries
+    out = {}
+    for entry in entries:
+        key, sep, value = entry.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--wandb-config {entry!r}: expected KEY=VALUE (e.g. rate=25mbit)")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out

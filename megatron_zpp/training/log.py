@@ -93,10 +93,16 @@ class IterationLogger:
                 import wandb
             except ImportError as e:
                 raise ImportError("--wandb-project needs wandb: pip install wandb") from e
-            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            # WANDB_MODE, when set, decides (offline sweeps); otherwise online only with credentials
+            # or under a sweep agent (which has logged in), so a bare run never blocks on a login.
+            mode = None if os.environ.get("WANDB_MODE") else (
+                "online" if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_SWEEP_ID") else "offline")
+            config = {k: v for k, v in vars(a).items() if k != "wandb_config"}
             self.wandb = wandb.init(project=a.wandb_project, name=a.wandb_exp_name, mode=mode,
+                                    group=a.wandb_group, job_type=a.wandb_job_type,
                                     dir=a.wandb_save_dir or a.save or None,
-                                    config={**vars(a), "zpp_policy_resolved": self.policy.to_dict()})
+                                    config={**config, "zpp_policy_resolved": self.policy.to_dict(),
+                                            **a.wandb_config})
 
     def iteration(self, iteration: int, loss: float, lr: float, grad_norm, seconds: float, update_ok: bool,
                   hpz_bytes: int = 0) -> None:
@@ -198,5 +204,10 @@ class IterationLogger:
                      f"uncompressed collectives would have sent (x{inter / inter_base:.4f})")
         if self.wandb is not None:
             self.wandb.summary.update({k: v for k, v in summary.items() if k != "losses"})
+            # Flat per-iteration figures, so a sweep's table and metric read them without unnesting.
+            n = max(len(losses), 1)
+            self.wandb.summary.update({"inter_bytes_per_iteration": inter / n,
+                                       "nic_payload_bytes_per_iteration": nic["payload_bytes"] / n if nic else None,
+                                       **{f"breakdown/{k}": v for k, v in breakdown.items()}})
             self.wandb.finish()
         return summary
