@@ -42,9 +42,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from megatron_zpp.training.nic import HEADER_BYTES  # noqa: E402  (one definition of the header size)
 PREFIX = "zpp"  # every namespace, bridge and veth this tool makes starts with it (see --teardown-stale)
 SUBNET = "10.77.0"
-HEADER_BYTES = 66  # Ethernet 14 + IPv4 20 + TCP 20 + timestamp option 12, per counted packet
 RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 
 

@@ -32,6 +32,7 @@ from megatron_zpp.policy import Policy, check_policy_agreement
 logger = logging.getLogger(__name__)
 
 GRAD_TAG, PARAM_TAG, PARAM_BWD_TAG = "dp.grad", "dp.param", "dp.param.bwd"
+_ACTIVE: MegatronHooks | None = None  # the installed instance: one at a time per process
 
 
 class MegatronHooks:
@@ -127,8 +128,22 @@ class MegatronHooks:
     def install(self) -> MegatronHooks:
         from megatron.core.distributed import param_and_grad_buffer as pgb
 
+        global _ACTIVE
         if self.installed:
             return self
+        if _ACTIVE is not None:
+            raise RuntimeError("another MegatronHooks is installed in this process (policy "
+                               f"{_ACTIVE.policy.name!r}); uninstall() it first: two would wrap each other")
+        try:
+            self._install(pgb)
+        except BaseException:
+            self.uninstall()  # restores whatever was patched before the failure
+            raise
+        self.installed = True
+        _ACTIVE = self
+        return self
+
+    def _install(self, pgb) -> None:
         cls = pgb._ParamAndGradBucketGroup
         hooks = self
         originals = {name: getattr(cls, name) for name in ("start_grad_sync", "start_param_sync")}
@@ -161,8 +176,6 @@ class MegatronHooks:
 
         self._model_parallel = ModelParallelHooks(self.policy.codec("pp"), self.policy.codec("tp"),
                                                   self.ranks_per_node).install()
-        self.installed = True
-        return self
 
     def _install_fsdp(self) -> None:
         """Megatron-FSDP (ZeRO-3): its pipelines call torch.distributed directly, so the routing wraps
@@ -254,8 +267,9 @@ class MegatronHooks:
                 return handle
             # Forward (or a backward gather with no fresh secondary copy): the full qwZ gather,
             # which also refreshes this bucket's hpZ rows.
-            wbuf = pipeline.get_fsdp_buffer(bucket_id, bwd)
-            _zero_padding(input_tensor, wbuf, wbuf.shard_bucket_index.bucket_data_index)
+            if codec != "none":
+                wbuf = pipeline.get_fsdp_buffer(bucket_id, bwd)
+                _zero_padding(input_tensor, wbuf, wbuf.shard_bucket_index.bucket_data_index)
             handle = quantized_all_gather(output_tensor, input_tensor, topo, codec=codec, async_op=True, tag=tag,
                                           hpz_shard=shard)
             if not async_op:
@@ -281,7 +295,8 @@ class MegatronHooks:
                 return original_rs(output, input, op=op, group=group, async_op=async_op)
             gbuf = pending_buffers.pop(0) if pending_buffers else None
             ours = not hooks._megatron_runs(hooks.grad_codec)
-            if ours and gbuf is not None and gbuf.bucket_index.size == input.numel():
+            # Padding garbage only matters to a quantizer (it would set a block's scale).
+            if hooks.grad_codec != "none" and gbuf is not None and gbuf.bucket_index.size == input.numel():
                 _zero_padding(input, gbuf, 0)
             # Ours: synchronous, as Megatron-FSDP accumulates the shard right after its
             # coalescing block. Megatron's: its call exactly as it was made.
@@ -361,6 +376,9 @@ class MegatronHooks:
             self._model_parallel.uninstall()
             self._model_parallel = None
         self.installed = False
+        global _ACTIVE
+        if _ACTIVE is self:
+            _ACTIVE = None
 
     # ------------------------------------------------------------------ routing
     def _check_supported(self, bucket_group) -> None:
@@ -463,13 +481,10 @@ def _chain(megatron_handle, ours: list):
     return _ChainedHandle(megatron_handle, ours)
 
 
-_PADDING_CACHE: dict[int, list[tuple[int, int]]] = {}
-
-
 def _padding_ranges(buf) -> list[tuple[int, int]]:
-    """Bucket-relative ranges of a Megatron-FSDP buffer that belong to no parameter (alignment padding)."""
-    key = id(buf.item_index_map)
-    ranges = _PADDING_CACHE.get(key)
+    """Bucket-relative ranges of a Megatron-FSDP buffer that belong to no parameter (alignment padding),
+    cached on the buffer itself (an id-keyed cache could hand a later run's buffer a freed one's ranges)."""
+    ranges = getattr(buf, "_zpp_padding_ranges", None)
     if ranges is None:
         base, size = buf.bucket_index.global_data_index, buf.bucket_index.size
         covered = sorted((it.global_data_index - base, it.global_data_index - base + it.size)
@@ -481,7 +496,7 @@ def _padding_ranges(buf) -> list[tuple[int, int]]:
             cursor = max(cursor, end)
         if cursor < size:
             ranges.append((cursor, size))
-        _PADDING_CACHE[key] = ranges
+        buf._zpp_padding_ranges = ranges
     return ranges
 
 

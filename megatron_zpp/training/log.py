@@ -73,6 +73,7 @@ class IterationLogger:
         self.comm_seconds: list[tuple[float, float]] = []  # per iteration: (codec, exposed wait)
         self._last_timers = (0.0, 0.0)
         self.nic = NicWindow()
+        self._window: tuple | None = None  # (NIC bytes, comm_stats) over the training loop
 
     def log(self, text: str) -> None:
         if self.rank == 0:
@@ -137,6 +138,12 @@ class IterationLogger:
                                s.inter_bytes / MB / n, f"comm/{tag}/inter_ratio": s.inter_ratio})
             self.wandb.log(record, step=iteration)
 
+    def end_training(self) -> None:
+        """Close the measurement window at the end of the training loop (a collective): the bytes
+        and NIC counters reported per iteration then exclude the final parameter sync and the
+        evaluation that run before :meth:`finish`."""
+        self._window = (self.nic.stop(), comm_stats().summed_over_ranks())
+
     def _breakdown(self) -> dict:
         """Mean seconds per iteration after the first, averaged over ranks: codec, exposed
         communication (see ``CommTimers``), and the rest (compute, optimizer, framework)."""
@@ -154,8 +161,9 @@ class IterationLogger:
                finite: bool = True, sharded: bool = False, replica_check=None) -> dict:
         """``sharded``: ZeRO-3, one copy of the weights, so there are no replicas to compare."""
         a = self.args
-        nic = self.nic.stop()  # first: the reports below send a little themselves
-        stats = comm_stats().summed_over_ranks()
+        if self._window is None:
+            self.end_training()
+        nic, stats = self._window
         steady = self.times[1:] or self.times  # the first iteration includes warm-up
         mean_s = statistics.mean(steady) if steady else float("nan")
         breakdown = self._breakdown()

@@ -12,12 +12,14 @@ The interface must carry only this job's inter-node traffic for the figure to me
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 
-HEADER_BYTES = 66  # Ethernet 14 + IPv4 20 + TCP 20 + timestamp option 12, once per counted packet
+# Ethernet 14 + IPv4 20 + TCP 20 + timestamp option 12, once per counted packet (tools/netemu.py uses it too).
+HEADER_BYTES = 66
 
 
 @dataclass
@@ -33,13 +35,23 @@ class NicDelta:
 
 
 class NicWindow:
+    """Reads the counters on local rank 0 of each node. Every rank takes part in ``stop()``'s
+    gather whatever its environment, so a node without ``ZPP_NIC`` (or without the interface)
+    cannot leave the others waiting in a mismatched collective: it reports nothing, with a warning."""
+
     def __init__(self, interface: str | None = None) -> None:
         self.interface = interface if interface is not None else os.environ.get("ZPP_NIC") or None
-        self.reader = self.interface is not None and os.environ.get("LOCAL_RANK", "0") == "0"
+        self.problem: str | None = None
+        local_rank = os.environ.get("LOCAL_RANK")
+        if local_rank is None:  # not under torchrun: one reader only, or every rank would count the NIC
+            local_rank = "0" if os.environ.get("RANK", "0") == "0" else "1"
+        self.reader = self.interface is not None and local_rank == "0"
+        if self.reader and not (Path("/sys/class/net") / self.interface).exists():
+            self.problem = (f"ZPP_NIC={self.interface!r}: no such network interface here; valid: "
+                            + ", ".join(sorted(p.name for p in Path("/sys/class/net").iterdir())))
+            warnings.warn(self.problem + "; NIC bytes are not measured on this node")
+            self.reader = False
         self._start: tuple[int, int] | None = None
-        if self.interface is not None and not (Path("/sys/class/net") / self.interface).exists():
-            raise ValueError(f"ZPP_NIC={self.interface!r}: no such network interface here; valid: "
-                             + ", ".join(sorted(p.name for p in Path("/sys/class/net").iterdir())))
 
     def _read(self) -> tuple[int, int]:
         stats = Path("/sys/class/net") / self.interface / "statistics"
@@ -50,15 +62,18 @@ class NicWindow:
             self._start = self._read()
 
     def stop(self) -> dict | None:
-        """Summed over nodes (a collective on every rank when ``ZPP_NIC`` is set; None otherwise)."""
-        if self.interface is None:
-            return None
+        """Bytes sent since ``start()``, summed over the nodes that measured; a collective on every
+        rank. None when no node measured."""
         mine = None
         if self.reader and self._start is not None:
             now = self._read()
-            mine = (now[0] - self._start[0], now[1] - self._start[1])
+            mine = (self.interface, now[0] - self._start[0], now[1] - self._start[1])
+            self._start = None
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
-        total = NicDelta(sum(m[0] for m in everyone if m), sum(m[1] for m in everyone if m))
-        return {"interface": self.interface, "nodes": sum(1 for m in everyone if m), "tx_bytes": total.tx_bytes,
+        measured = [m for m in everyone if m is not None]
+        if not measured:
+            return None
+        total = NicDelta(sum(m[1] for m in measured), sum(m[2] for m in measured))
+        return {"interface": measured[0][0], "nodes": len(measured), "tx_bytes": total.tx_bytes,
                 "tx_packets": total.tx_packets, "payload_bytes": total.payload_bytes}

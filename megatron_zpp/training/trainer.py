@@ -237,6 +237,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
                 from megatron_zpp.training.checkpoint import save_checkpoint
 
                 save_checkpoint(args.save, iteration + 1, models, optimizer, scheduler)
+        logger.end_training()  # per-iteration bytes: the loop only, not the final sync and evaluation
         if args.save:
             from megatron_zpp.training.checkpoint import save_checkpoint
 

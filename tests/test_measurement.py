@@ -1,0 +1,67 @@
+"""What the benchmarks measure with: the communication timers, the NIC byte window, and hooks
+that restore Megatron exactly after timing its methods."""
+
+import time
+
+import pytest
+
+import measurement_checks as checks
+from megatron_zpp.comm.stats import CommTimers
+from megatron_zpp.testing import run_distributed
+
+
+def test_timers_count_nested_waits_once_and_subtract_codec_time():
+    t = CommTimers()
+    with t.wait():
+        time.sleep(0.02)
+        with t.wait():  # Megatron's finish_grad_sync calling start_grad_sync: one wait, not two
+            time.sleep(0.02)
+            with t.codec():
+                time.sleep(0.03)
+    assert 0.03 <= t.codec_s < 0.06, t.codec_s
+    assert 0.04 <= t.wait_s < 0.07, t.wait_s  # 0.07 s in all, minus the 0.03 s of codec inside
+    with pytest.raises(RuntimeError):
+        with t.wait():
+            raise RuntimeError("a failing collective")
+    before = t.wait_s
+    with t.wait():  # depth restored after the exception: counted again
+        time.sleep(0.01)
+    assert t.wait_s >= before + 0.009
+
+
+def test_nic_window_counts_one_reader_per_node_and_tolerates_mixed_environments():
+    # 2 nodes x 2 ranks; node 0 measures lo, node 1 has no ZPP_NIC on one rank and a missing
+    # interface on the other: nobody hangs, and only node 0's bytes are reported.
+    results = run_distributed(checks.nic_window, 4, {0: "lo", 1: "lo", 2: "no-such-nic0"}, ranks_per_node=2)
+    assert all(r == results[0] for r in results)
+    r = results[0]
+    assert r["nodes"] == 1 and r["interface"] == "lo"
+    # About the megabyte sent, or more (loopback also carries the ranks' gloo traffic meanwhile); the
+    # header estimate is exact for data segments, not for the handshake's larger options.
+    assert r["payload_bytes"] >= 0.99 * (1 << 20), r
+
+
+def test_nic_window_without_zpp_nic_reports_nothing():
+    assert run_distributed(checks.nic_window, 2, {}, ranks_per_node=1) == [None, None]
+
+
+def test_uninstall_restores_megatron_exactly_and_one_install_at_a_time():
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as fsdp_buf
+
+    from megatron_zpp.megatron.hooks import MegatronHooks
+    from megatron_zpp.policy import ZppConfig, resolve_policy
+
+    classes = [pgb._ParamAndGradBucketGroup, fsdp_buf.AllGatherPipeline, fsdp_buf.GradReducePipeline,
+               fsdp_buf.ParamAndGradBuffer, megatron_fsdp.MegatronFSDP]
+    before = [dict(vars(c)) for c in classes]
+    first = MegatronHooks(resolve_policy(ZppConfig(policy="fair"))).install()
+    changed = sum(vars(c)[k] is not v for c, b in zip(classes, before) for k, v in b.items() if k in vars(c))
+    assert changed >= 9  # start/finish grad and param sync, the FSDP pipeline methods and its waits
+    with pytest.raises(RuntimeError, match="another MegatronHooks is installed"):
+        MegatronHooks(resolve_policy(ZppConfig(policy="zeropp"))).install()
+    first.uninstall()
+    assert [dict(vars(c)) for c in classes] == before
+    MegatronHooks(resolve_policy(ZppConfig(policy="none"))).install().uninstall()  # free again
+    assert [dict(vars(c)) for c in classes] == before
