@@ -83,3 +83,38 @@ def test_training_bytes_measured_on_the_links_match_the_accounting(tmp_path):
         print(f"\n{policy}: measured {s['nic']['payload_bytes']} B vs counted {s['inter_bytes']} B (x{ratio:.4f})")
         assert s["nic"]["nodes"] == 2
         assert abs(ratio - 1) <= 0.05, (policy, s["nic"], s["inter_bytes"])
+
+
+@needs_namespaces
+def test_sigterm_removes_the_namespaces_and_their_processes(tmp_path):
+    """A netemu job killed with SIGTERM (timeout, SLURM) leaves no namespace and no process behind,
+    even the torchrun workers, which run in sessions of their own."""
+    import os
+    import signal
+    import time
+
+    script = tmp_path / "job.py"
+    script.write_text("import time\ntime.sleep(600)\n")
+    pidfile = tmp_path / "pids"
+    existing = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    proc = subprocess.Popen([sys.executable, str(Path(netemu.__file__)), "--ranks-per-node", "1", "--",
+                             str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    names: list[str] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not names:  # wait until the job's workers run
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        for name in listed:
+            if name.startswith(netemu.PREFIX) and name not in existing:  # ours, not another run's
+                pids = netemu.namespace_pids(name)
+                if len(pids) >= 2:  # torchrun (exec-ed by ip netns exec and env) and its worker
+                    names.append(name)
+        time.sleep(0.5)
+    assert names, "the job never started"
+    workers = [pid for n in names for pid in netemu.namespace_pids(n)]
+    pidfile.write_text(" ".join(map(str, workers)))
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(n in listed for n in names), listed
+    alive = [pid for pid in workers if os.path.exists(f"/proc/{pid}")]
+    assert not alive, alive

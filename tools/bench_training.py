@@ -333,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     for path in a.paths.split(","):
         if path not in PATHS:
             p.error(f"path {path!r}: valid: {', '.join(PATHS)}")
+    from netemu import terminate_like_ctrl_c
+
+    terminate_like_ctrl_c()  # a kill from timeout/SLURM still removes the namespaces
     csv_path = run_sweep(a)
     rows = read_rows(csv_path)
     print("\n" + report(rows))

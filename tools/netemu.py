@@ -137,20 +137,43 @@ def netem_available() -> bool:
         _run(["ip", "netns", "del", ns], check=False)
 
 
-def teardown_stale() -> list[str]:
-    """Remove namespaces and bridges with this tool's prefix left by killed runs; returns their names."""
-    removed = []
+def namespace_pids(name: str) -> list[int]:
+    return [int(p) for p in _run(["ip", "netns", "pids", name], check=False).stdout.split()]
+
+
+def kill_namespace_processes(name: str) -> None:
+    for pid in namespace_pids(name):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while namespace_pids(name) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def teardown_stale(force: bool = False) -> tuple[list[str], list[str]]:
+    """Remove namespaces and bridges with this tool's prefix left by killed runs. A namespace with
+    processes inside belongs to a live run and is kept unless ``force`` (which kills them).
+    Returns (removed, kept)."""
+    removed, kept, live_ids = [], [], set()
     for line in _run(["ip", "netns", "list"], check=False).stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
-        if re.fullmatch(rf"{PREFIX}\d+n\d+|{PREFIX}(probe|netem)\d+", name):
-            _run(["ip", "netns", "del", name], check=False)
-            removed.append(name)
+        m = re.fullmatch(rf"{PREFIX}(\d+)n\d+|{PREFIX}(probe|netem)\d+", name)
+        if not m:
+            continue
+        if namespace_pids(name) and not force:
+            kept.append(name)
+            live_ids.add(m.group(1))
+            continue
+        kill_namespace_processes(name)
+        _run(["ip", "netns", "del", name], check=False)
+        removed.append(name)
     for line in _run(["ip", "-o", "link", "show", "type", "bridge"], check=False).stdout.splitlines():
         name = line.split(":")[1].strip().split("@")[0]
-        if re.fullmatch(rf"{PREFIX}br\d+", name):
+        m = re.fullmatch(rf"{PREFIX}br(\d+)", name)
+        if m and m.group(1) not in live_ids:
             _run(["ip", "link", "del", name], check=False)
             removed.append(name)
-    return removed
+    return removed, kept
 
 
 class EmulatedCluster:
@@ -159,11 +182,13 @@ class EmulatedCluster:
 
     def __init__(self, config: NetemuConfig) -> None:
         self.config = config
-        self.id = os.getpid() % 100000  # names unique per process: parallel emulations do not collide
+        # Random, not the pid: a stale run's names (same pid after a reboot) or a concurrent
+        # emulation must never be taken for ours, or teardown would delete them.
+        self.id = int.from_bytes(os.urandom(4), "little") % 100000
         self.bridge = f"{PREFIX}br{self.id}"
         self.namespaces = [f"{PREFIX}{self.id}n{i}" for i in range(config.nodes)]
         self.host_links = [f"zv{self.id}n{i}" for i in range(config.nodes)]  # <= 15 characters
-        self._created = False
+        self._owned: list[tuple[str, str]] = []  # ("netns" | "link", name), in creation order
 
     def node_address(self, node: int) -> str:
         return f"{SUBNET}.{node + 1}"
@@ -173,12 +198,13 @@ class EmulatedCluster:
         ok, why = namespaces_available()
         if not ok:
             raise PermissionError(f"netemu: {why}")
-        self._created = True
         try:
             _run(["ip", "link", "add", self.bridge, "type", "bridge"])
+            self._owned.append(("link", self.bridge))
             _run(["ip", "link", "set", self.bridge, "up"])
             for i, (ns, host) in enumerate(zip(self.namespaces, self.host_links)):
                 _run(["ip", "netns", "add", ns])
+                self._owned.append(("netns", ns))
                 _run(["ip", "link", "add", host, "mtu", str(self.config.mtu), "type", "veth", "peer", "name", "eth0",
                       "mtu", str(self.config.mtu), "netns", ns])
                 _run(["ip", "link", "set", host, "master", self.bridge, "up"])
@@ -195,13 +221,25 @@ class EmulatedCluster:
         self.teardown()
 
     def teardown(self) -> None:
-        """Idempotent: deleting a namespace deletes its veth pair."""
-        if not self._created:
+        """Idempotent; removes only what this instance created. Processes still inside a namespace
+        are killed first (torchrun starts its workers in their own sessions, so killing torchrun's
+        process group can leave them behind, and a namespace with processes outlives its name).
+        Signals are held off meanwhile, so a second Ctrl-C cannot leave half a cluster."""
+        if not self._owned:
             return
-        for ns in self.namespaces:
-            _run(["ip", "netns", "del", ns], check=False)
-        _run(["ip", "link", "del", self.bridge], check=False)
-        self._created = False
+        held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)} \
+            if threading.current_thread() is threading.main_thread() else {}
+        try:
+            for kind, name in reversed(self._owned):
+                if kind == "netns":
+                    kill_namespace_processes(name)
+                    _run(["ip", "netns", "del", name], check=False)  # also deletes its veth pair
+                else:
+                    _run(["ip", "link", "del", name], check=False)
+            self._owned = []
+        finally:
+            for sig, handler in held.items():
+                signal.signal(sig, handler)
 
     def set_rate(self, rate: str | None, delay: str | None = None) -> None:
         """(Re)shape every node's uplink (its eth0) and downlink (the host end of its veth)."""
@@ -309,6 +347,14 @@ class EmulatedCluster:
                          output="".join(outputs[0]), outputs=["".join(o) for o in outputs])
 
 
+def terminate_like_ctrl_c() -> None:
+    """SIGTERM (from SLURM, ``timeout``, a supervisor) unwinds like Ctrl-C, through every
+    ``finally``, so the namespaces are removed."""
+    def handler(*_):
+        raise KeyboardInterrupt("SIGTERM")
+    signal.signal(signal.SIGTERM, handler)
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
@@ -383,19 +429,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log", type=Path, default=None, help="write every node's output here")
     p.add_argument("--json", type=Path, default=None, help="write the counters and the job summary here")
     p.add_argument("--teardown-stale", action="store_true", help="remove namespaces/bridges left by killed runs")
+    p.add_argument("--force", action="store_true", help="with --teardown-stale: also remove live namespaces")
     p.add_argument("--verify", action="store_true",
                    help="measure one TCP stream between node 0 and node 1 instead of running a job")
     p.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS... run with torchrun on every node")
     a = p.parse_args(argv)
     if a.teardown_stale:
-        print("removed:", " ".join(teardown_stale()) or "nothing")
+        removed, kept = teardown_stale(force=a.force)
+        print("removed:", " ".join(removed) or "nothing")
+        if kept:
+            print("kept (processes inside, a live run; --force kills them):", " ".join(kept))
         return 0
     script = a.script[1:] if a.script[:1] == ["--"] else a.script
     config = NetemuConfig(nodes=a.nodes, ranks_per_node=a.ranks_per_node, rate=a.rate, delay=a.delay, mtu=a.mtu)
     if not script and not a.verify:
         p.error("give a script to run after --, or --verify")
-    # SIGTERM (e.g. from SLURM or timeout) unwinds like Ctrl-C so the namespaces are removed.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    terminate_like_ctrl_c()
     with EmulatedCluster(config) as cluster:
         print(f"netemu: {config.nodes} nodes x {config.ranks_per_node} ranks, inter-node link "
               f"{config.rate or 'unshaped'} per direction" + (f", delay {config.delay}" if config.delay else "")
@@ -436,11 +485,17 @@ def measure_stream(cluster: EmulatedCluster, nbytes: int) -> dict:
               f"b=bytes(1<<20);t=time.perf_counter()\nfor _ in range({nbytes >> 20}): c.sendall(b)\n"
               "c.shutdown(socket.SHUT_WR);c.recv(1);print(time.perf_counter()-t)")
     rx = subprocess.Popen(cluster.node_command(1, [sys.executable, "-c", receiver]), stdout=subprocess.PIPE, text=True)
-    time.sleep(0.5)
-    before = cluster.counters()
-    tx = subprocess.run(cluster.node_command(0, [sys.executable, "-c", sender]), capture_output=True, text=True,
-                        timeout=600)
-    received = int(rx.communicate(timeout=60)[0].strip())
+    try:
+        time.sleep(0.5)
+        before = cluster.counters()
+        tx = subprocess.run(cluster.node_command(0, [sys.executable, "-c", sender]), capture_output=True,
+                            text=True, timeout=600)
+        out = rx.communicate(timeout=60)[0].strip()
+    finally:
+        if rx.poll() is None:
+            rx.kill()
+            rx.wait()
+    received = int(out) if out.isdigit() else -1
     if tx.returncode or received != (nbytes >> 20 << 20):
         raise RuntimeError(f"stream failed: sender rc {tx.returncode} {tx.stderr.strip()}, received {received}")
     seconds = float(tx.stdout.strip())

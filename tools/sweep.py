@@ -315,6 +315,9 @@ def run_local(config: SweepConfig, opts: RunOptions) -> list[str]:
         print(f"sweep: skipping {point.path} {point.run_name}: {why}")
     launches = group_launches(points)
     _require_namespaces()
+    from netemu import terminate_like_ctrl_c
+
+    terminate_like_ctrl_c()  # a kill from timeout/SLURM still removes the namespaces
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     # Local sweeps need no W&B server; a user who wants live upload sets WANDB_MODE=online.
     os.environ.setdefault("WANDB_MODE", "offline")
@@ -340,6 +343,9 @@ def run_one(point: GridPoint, opts: RunOptions) -> dict | None:
         print(f"sweep: {point.path} {point.run_name} not run: {why}")
         return None
     _require_namespaces()
+    from netemu import terminate_like_ctrl_c
+
+    terminate_like_ctrl_c()  # a kill from timeout/SLURM still removes the namespaces
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     launch = Launch(point.nodes, point.ranks_per_node, point.path, point.rate, point.iters, point.log_interval,
                     [point])
