@@ -7,12 +7,13 @@
 Every measurement runs on all ranks at once, as in training (on the emulated cluster 4 ranks share 2 cores, so a
 rank alone would be twice as fast as it ever is in a job). What is measured, and which primitive:
 
-- network: least-squares alpha-beta fits ``T = steps x alpha + bytes / B`` over message sizes (default 64 KB-8 MB
-  per peer) of ``all_to_all_single``, the primitive of the project's 2-hop reduce-scatter (qgZ and the fair
-  baseline): on the intra-node groups (both nodes at once; B per rank) and on the inter-node groups (every local
-  rank at once, so B is the bytes leaving one node per second). The emulated mode fits the inter-node link twice:
-  shaped at ``--rate`` (-> ``inter_bandwidth``, ``inter_link_efficiency`` = achieved / nominal) and unshaped
-  (-> ``inter_bandwidth_cap``, the host's ceiling).
+- network: least-squares alpha-beta fits ``T = steps x alpha + bytes / B`` (on relative residuals) over message
+  sizes (default 64 KB-8 MB). Intra-node: ``all_to_all_single`` on the intra-node groups, both nodes at once (hop 1
+  of the project's 2-hop reduce-scatter; B per rank). Inter-node: one send/recv ring step on all ranks at once over
+  the node-major world ring, one flow leaving each node (the step of gloo's/NCCL's ring all-gather and all-reduce
+  and of the model's ``ring()``; B = bytes leaving one node per second). The emulated mode fits the inter-node link
+  twice: shaped at ``--rate`` (-> ``inter_bandwidth``, ``inter_link_efficiency`` = achieved / nominal; sizes within
+  two tbf bursts skipped) and unshaped (-> ``inter_bandwidth_cap``, the host's ceiling, and ``inter_alpha``).
 - cross-checks (reported, not fitted): the collectives training calls (gloo/NCCL all_gather_into_tensor,
   reduce_scatter_tensor, all_reduce; the project's uncompressed 2-hop reduce-scatter and qwZ all-gather) at one size,
   measured vs ``megatron_zpp.perfmodel.collectives`` with the fitted numbers.
@@ -86,21 +87,27 @@ class Fit:
 
 
 def fit_alpha_beta(nbytes: list[float], seconds: list[float], steps: int = 1) -> Fit:
-    """Ordinary least squares of ``seconds`` on ``nbytes`` (a latency and a bandwidth).
+    """Least squares of ``seconds`` on ``nbytes`` (a latency and a bandwidth), on *relative* residuals.
 
-    ``steps``: latency-bearing steps per measured operation (all-to-all peers, ring steps), so ``alpha`` is per step.
-    Raises ``ValueError`` for fewer than two distinct sizes, mismatched lists, or a non-increasing time (a slope
-    <= 0 has no bandwidth: the measurement is broken, e.g. all sizes below the latency noise)."""
+    Sizes span two orders of magnitude, so plain least squares would let the largest messages decide the latency
+    too; weighting each point by 1 / seconds^2 minimizes relative errors instead: small messages pin alpha, large
+    ones the bandwidth. ``steps``: latency-bearing steps per measured operation (all-to-all peers, ring steps), so
+    ``alpha`` is per step. Raises ``ValueError`` for fewer than two distinct sizes, mismatched lists, a non-positive
+    time, or a time that does not grow with size (no bandwidth: the measurement is broken)."""
     if len(nbytes) != len(seconds):
         raise ValueError(f"fit_alpha_beta: {len(nbytes)} sizes but {len(seconds)} times")
     if len(set(nbytes)) < 2:
         raise ValueError(f"fit_alpha_beta: needs at least two distinct sizes, got {sorted(set(nbytes))}")
     if steps < 1:
         raise ValueError(f"fit_alpha_beta: steps={steps} must be >= 1")
-    n = len(nbytes)
-    mx, my = sum(nbytes) / n, sum(seconds) / n
-    sxx = sum((x - mx) ** 2 for x in nbytes)
-    slope = sum((x - mx) * (y - my) for x, y in zip(nbytes, seconds)) / sxx
+    if min(seconds) <= 0:
+        raise ValueError(f"fit_alpha_beta: times must be positive, got {seconds}")
+    w = [1.0 / (y * y) for y in seconds]
+    sw = sum(w)
+    mx = sum(wi * x for wi, x in zip(w, nbytes)) / sw
+    my = sum(wi * y for wi, y in zip(w, seconds)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, nbytes))
+    slope = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, nbytes, seconds)) / sxx
     intercept = my - slope * mx
     if not slope > 0:
         raise ValueError(f"fit_alpha_beta: time does not grow with size (slope {slope:.3g} s/byte over sizes "
@@ -130,7 +137,8 @@ class Calibration:
     intra: Fit | None
     """all_to_all_single on the intra-node groups (per rank); None with one rank per node."""
     inter: Fit
-    """all_to_all_single on the inter-node groups (per node), at the link's rate (shaped, or real)."""
+    """A send/recv ring step on the node-major world ring (one flow per node), at the link's rate (shaped, or
+    real)."""
     inter_unshaped: Fit | None
     """The same with the emulated link unshaped (the host's ceiling); None on a real cluster."""
     nominal_rate_bits: float | None
@@ -204,9 +212,9 @@ def cluster_yaml(fields: dict, c: Calibration | None = None) -> str:
              f"intra_alpha: {_num(fields['intra_alpha'])}        # all_to_all_single, intra-node groups, per peer step"
              + (f"; {fit_note(c.intra)}" if c and c.intra else ""),
              f"intra_bandwidth: {_num(fields['intra_bandwidth'])}    # bytes/s per rank (both nodes at once)",
-             f"inter_alpha: {_num(fields['inter_alpha'])}        # all_to_all_single, inter-node groups, per peer step"
+             f"inter_alpha: {_num(fields['inter_alpha'])}        # send/recv ring step, node-major world ring, per step"
              + ("; from the unshaped fit (tbf's burst biases the shaped intercept)" if c and c.inter_unshaped else ""),
-             f"inter_bandwidth: {_num(fields['inter_bandwidth'])}    # bytes/s leaving one node, all its ranks sending"
+             f"inter_bandwidth: {_num(fields['inter_bandwidth'])}    # bytes/s leaving one node (one ring flow)"
              + (f" (link nominal {c.nominal_rate_bits / 1e6:g} Mbit/s); {fit_note(c.inter)}, alpha "
                 f"{c.inter.alpha * 1e3:.3f} ms" if c and c.nominal_rate_bits else ""),
              f"inter_link_efficiency: {fields['inter_link_efficiency']:.4f}  # inter_bandwidth / nominal rate"
@@ -295,7 +303,7 @@ def table(c: Calibration, fields: dict) -> str:
         add("intra alpha / B", f"{c.intra.alpha * 1e3:.3f} ms, {c.intra.bandwidth / 1e6:.1f} MB/s per rank",
             f"all_to_all intra groups, worst residual {100 * c.intra.max_rel_residual:.1f}%")
     add("inter alpha / B", f"{c.inter.alpha * 1e3:.3f} ms, {c.inter.bandwidth / 1e6:.2f} MB/s per node",
-        f"all_to_all inter groups, worst residual {100 * c.inter.max_rel_residual:.1f}%")
+        f"send/recv ring step, worst residual {100 * c.inter.max_rel_residual:.1f}%")
     if c.nominal_rate_bits:
         add("inter link efficiency", f"{fields['inter_link_efficiency']:.3f}",
             f"vs nominal {c.nominal_rate_bits / 8e6:.2f} MB/s" + (
@@ -352,15 +360,11 @@ class Worker:
             raise ValueError(f"{self.world} ranks with {g} per node is one node: there is no inter-node link to "
                              "calibrate")
         # Every rank creates every group, in the same order (new_group is collective).
-        self.intra = self.inter = None
+        self.intra = None
         for n in range(self.nodes):
             grp = dist.new_group(list(range(n * g, (n + 1) * g))) if g > 1 else None
             if self.rank // g == n:
                 self.intra = grp
-        for local in range(g):
-            grp = dist.new_group([n * g + local for n in range(self.nodes)])
-            if self.rank % g == local:
-                self.inter = grp
 
     # ------------------------------------------------------------------ timing
     def sync(self) -> None:
@@ -379,9 +383,12 @@ class Worker:
         self.dist.all_gather(out, t)
         return [float(x.item()) for x in out]
 
-    def timed(self, fn, budget_s: float, max_reps: int = 20, min_reps: int = 2) -> float:
+    def timed(self, fn, budget_s: float, max_reps: int = 20, min_reps: int = 3) -> float:
         """Seconds per call of ``fn`` on the slowest rank: one warm-up call sizes the repetitions to ``budget_s``
-        (the same count on every rank: collectives must match), then back-to-back calls between barriers."""
+        (the same count on every rank: collectives must match); each call is timed on its own, the slowest rank's
+        time taken per call, and the median over calls returned, so one call slowed by another job on a shared
+        machine does not move the result."""
+        torch = self.torch
         self.dist.barrier()
         t0 = time.perf_counter()
         fn()
@@ -389,11 +396,15 @@ class Worker:
         warm = self.agree_max(time.perf_counter() - t0)
         reps = max(min_reps, min(max_reps, int(budget_s / max(warm, 1e-6))))
         self.dist.barrier()
-        t0 = time.perf_counter()
+        times = []
         for _ in range(reps):
+            t0 = time.perf_counter()
             fn()
-        self.sync()
-        return self.agree_max((time.perf_counter() - t0) / reps)
+            self.sync()
+            times.append(time.perf_counter() - t0)
+        t = torch.tensor(times, dtype=torch.float64, device=self.device)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return statistics.median(t.tolist())
 
     def local_median(self, fn, reps: int, warm: int = 1) -> float:
         """Median seconds of ``fn`` on this rank (all ranks run it at once after a barrier)."""
@@ -413,13 +424,19 @@ class Worker:
         return statistics.fmean(self.gather_values(value))
 
     # ------------------------------------------------------------------ network
-    def a2a_fit(self, group, peers: int, senders_per_node: int, sizes: list[int], budget_s: float) -> Fit | None:
+    def a2a_fit(self, group, peers: int, senders_per_node: int, sizes: list[int], budget_s: float,
+                min_fit_bytes: int = 0) -> Fit | None:
         """all_to_all_single of ``size`` bytes per peer on ``group``; the fit is against the bytes one rank sends
-        (per-rank link) times ``senders_per_node`` (a node's link)."""
+        (per-rank link) times ``senders_per_node`` (a node's link). Sizes whose link bytes are at most
+        ``min_fit_bytes`` are skipped (a token bucket's burst passes them at line rate: they measure the bucket,
+        not the rate)."""
         torch = self.torch
         if group is None:
             return None
         members = peers + 1
+        sizes = [x for x in sizes if peers * x * senders_per_node > min_fit_bytes]
+        if len(sizes) < 2:
+            raise ValueError(f"fewer than two --sizes send more than {min_fit_bytes} bytes per link; give larger sizes")
         xs, ts = [], []
         for size in sizes:
             numel = size // 4
@@ -429,6 +446,28 @@ class Worker:
             xs.append(float(peers * numel * 4 * senders_per_node))
             ts.append(t)
         return fit_alpha_beta(xs, ts, steps=peers)
+
+    def ring_fit(self, sizes: list[int], budget_s: float, min_fit_bytes: int = 0) -> Fit:
+        """One ring step on all ranks at once: every rank sends ``size`` bytes to the next rank and receives from the
+        previous one (send/recv, as a ring all-gather / all-reduce step). The ring is node-major, so each node has
+        exactly one flow leaving it: the step time is ``alpha + size / inter_bandwidth`` (intra hops on the same
+        step are much faster)."""
+        torch, dist = self.torch, self.dist
+        nxt, prv = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+        sizes = [x for x in sizes if x > min_fit_bytes]
+        if len(sizes) < 2:
+            raise ValueError(f"fewer than two --sizes exceed {min_fit_bytes} bytes per link; give larger sizes")
+        xs, ts = [], []
+        for size in sizes:
+            send = torch.randn(size // 4, device=self.device)
+            recv = torch.empty_like(send)
+
+            def step():
+                for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)]):
+                    w.wait()
+            ts.append(self.timed(step, budget_s))
+            xs.append(float(size // 4 * 4))
+        return fit_alpha_beta(xs, ts)
 
     def small_collective(self) -> float:
         x = self.torch.zeros(1, device=self.device)
@@ -462,8 +501,10 @@ class Worker:
 
     # ------------------------------------------------------------------ compute
     def build_layer(self):
-        """One GPT layer as pretrain_gpt.py builds it (Megatron-Core local spec, fp32); a plain torch layer of the
-        same shape where Megatron-Core is missing. Returns (callable fwd+bwd, description)."""
+        """``--layers`` GPT layers as pretrain_gpt.py builds them (Megatron-Core local spec, fp32), run as in the
+        model: forward through all, then backward through all, so activations leave the caches between a layer's
+        forward and its backward as in training; a plain torch layer of the same shape where Megatron-Core is
+        missing. Returns (callable fwd+bwd of one layer on average, description)."""
         torch, a = self.torch, self.a
         h, heads, s, b = a.hidden, a.heads, a.seq_length, a.micro_batch
         x = torch.randn(s, b, h, device=self.device, requires_grad=True)
@@ -489,13 +530,16 @@ class Worker:
             attention_dropout=0.0, params_dtype=torch.float32, use_cpu_initialization=self.device.type == "cpu",
             gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
             bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
-        layer = build_module(get_gpt_layer_local_spec(), config=config, layer_number=1).to(self.device)
+        layers = [build_module(get_gpt_layer_local_spec(), config=config, layer_number=i + 1).to(self.device)
+                  for i in range(a.layers)]
 
-        def step():
-            out = layer(hidden_states=x, attention_mask=None)
-            out = out[0] if isinstance(out, tuple) else out
-            torch.autograd.backward(out, dy)
-        return step, "Megatron-Core local-spec layer"
+        def stack():
+            y = x
+            for layer in layers:
+                y = layer(hidden_states=y, attention_mask=None)
+                y = y[0] if isinstance(y, tuple) else y
+            torch.autograd.backward(y, dy)
+        return stack, f"Megatron-Core local-spec layer, mean of a {a.layers}-layer stack"
 
     def _torch_layer(self, x, dy):
         torch = self.torch
@@ -515,7 +559,10 @@ class Worker:
             y = x + proj(att.permute(2, 0, 1, 3).reshape(s, b, h))
             y = y + fc2(torch.nn.functional.gelu(fc1(ln2(y))))
             torch.autograd.backward(y, dy)
-        return step
+        def stack():
+            for _ in range(a.layers):  # the same layer: a plain torch stand-in, timed per layer like the stack
+                step()
+        return stack
 
     def _layer_block(self, step, background: bool) -> tuple[float, list[float], bool]:
         """``layer_reps`` timed passes on every rank at once, optionally while all-reduces of 4 MB per rank run in
@@ -528,7 +575,8 @@ class Worker:
         dist.barrier()
         if background:
             # Enough back-to-back all-reduces to outlast the timed passes (1.5x their expected time), at most 50.
-            count = int(min(50, max(1, math.ceil(1.5 * self.a.layer_reps * self._layer_s / self._allreduce_s))))
+            stack_s = self.a.layers * self._layer_s
+            count = int(min(50, max(1, math.ceil(1.5 * self.a.layer_reps * stack_s / self._allreduce_s))))
             works = [dist.all_reduce(self._bg[i % len(self._bg)], async_op=True) for i in range(count)]
         times = []
         for _ in range(self.a.layer_reps):
@@ -539,7 +587,7 @@ class Worker:
         covered = bool(works) and not works[-1].is_completed()
         for w in works:
             w.wait()
-        per_rank = self.gather_values(statistics.median(times))
+        per_rank = [t / self.a.layers for t in self.gather_values(statistics.median(times))]
         covered = self.agree_max(0.0 if covered else 1.0) == 0.0
         return statistics.fmean(per_rank), per_rank, covered
 
@@ -617,7 +665,7 @@ class Worker:
         t0 = time.monotonic()
         log(f"calibrate: {self.nodes} nodes x {self.g} ranks, {self.backend}, phase {phase}", flush=True)
         out["small_collective_s"] = self.small_collective()
-        out["inter"] = dataclasses.asdict(self.a2a_fit(self.inter, self.nodes - 1, self.g, sizes, a.budget))
+        out["inter"] = dataclasses.asdict(self.ring_fit(sizes, a.budget, a.min_fit_bytes))
         log(f"calibrate: inter fit done ({time.monotonic() - t0:.0f} s)", flush=True)
         intra = self.a2a_fit(self.intra, self.g - 1, 1, sizes, a.budget) if self.g > 1 else None
         out["intra"] = dataclasses.asdict(intra) if intra else None
@@ -681,8 +729,8 @@ def worker_argv(a, phase: str, json_out: Path, rate_label: str) -> list[str]:
     argv = [str(Path(__file__).resolve()), "--worker-json", str(json_out), "--phase", phase, "--rate-label", rate_label,
             "--sizes", a.sizes, "--budget", str(a.budget), "--hidden", str(a.hidden), "--heads", str(a.heads),
             "--seq-length", str(a.seq_length), "--micro-batch", str(a.micro_batch), "--layer-reps",
-            str(a.layer_reps), "--optimizer-params", str(a.optimizer_params), "--ranks-per-node",
-            str(a.ranks_per_node)]
+            str(a.layer_reps), "--layers", str(a.layers), "--optimizer-params", str(a.optimizer_params),
+            "--ranks-per-node", str(a.ranks_per_node), "--min-fit-bytes", str(a.min_fit_bytes)]
     return argv + (["--backend", a.backend] if a.backend else [])
 
 
@@ -705,7 +753,11 @@ def emulate(a, command: str) -> int:
         for phase, rate in runs:
             cluster.set_rate(None if rate == "unshaped" else rate)
             out = work / f"{phase}.json"
-            r = cluster.run_torchrun(worker_argv(a, phase, out, rate), timeout=a.timeout, master_port=free_port(),
+            argv = worker_argv(a, phase, out, rate)
+            if rate != "unshaped" and not a.min_fit_bytes:
+                # tbf passes a burst per node at line rate: fit only sizes well beyond two of them.
+                argv[argv.index("--min-fit-bytes") + 1] = str(2 * cluster._burst_bytes(rate))
+            r = cluster.run_torchrun(argv, timeout=a.timeout, master_port=free_port(),
                                      python=a.python, echo=True, log_path=work / f"log-{phase}.txt")
             if r.failure or not out.exists():
                 print(f"calibrate: the {phase} run at {rate} failed ({r.failure}); logs in {work}", file=sys.stderr)
@@ -753,7 +805,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=DEFAULT_LAYER["heads"])
     p.add_argument("--seq-length", type=int, default=DEFAULT_LAYER["seq_length"])
     p.add_argument("--micro-batch", type=int, default=DEFAULT_LAYER["micro_batch"])
-    p.add_argument("--layer-reps", type=int, default=5, help="timed layer forward+backward passes")
+    p.add_argument("--layers", type=int, default=4, help="layers of the timed stack (the benchmark model's 4)")
+    p.add_argument("--layer-reps", type=int, default=5, help="timed forward+backward passes of the stack")
+    p.add_argument("--min-fit-bytes", type=int, default=0,
+                   help="skip fit sizes whose bytes per link are at most this (emulated: 2 tbf bursts when shaped)")
     p.add_argument("--optimizer-params", type=int, default=830_848,
                    help="fp32 parameters of the Adam measurement (default: the benchmark model's shard, 3,323,392 / 4)")
     p.add_argument("--step-collectives", type=int, default=DEFAULT_STEP_COLLECTIVES,
@@ -766,7 +821,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate-label", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     command = "python tools/calibrate.py " + " ".join(shlex.quote(x) for x in argv)
-    for name in ("nodes", "layer_reps", "optimizer_params", "hidden", "heads", "seq_length", "micro_batch"):
+    for name in ("nodes", "layers", "layer_reps", "optimizer_params", "hidden", "heads", "seq_length", "micro_batch"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(a, name)} must be a positive integer")
     if a.step_collectives < 0:
