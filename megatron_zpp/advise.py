@@ -74,7 +74,8 @@ def with_micro_batch(workload: WorkloadSpec, micro_batch: int) -> WorkloadSpec:
 def is_uncompressed(policy_name: str) -> bool:
     """No codec on any dimension and no hpZ: the uncompressed baselines."""
     p = resolve(policy_name).policy
-    return p.is_identity and p.hpz_size == 1
+    # Not Policy.is_identity: the fair baseline (dp_uncompressed: hierarchical) compresses nothing either.
+    return all(c == "none" for c in p.codecs.values()) and p.hpz_size == 1
 
 
 def evaluate(cluster: ClusterSpec, workload: WorkloadSpec, policies) -> list[Prediction]:

@@ -215,7 +215,7 @@ def cluster_yaml(fields: dict, c: Calibration | None = None) -> str:
              f"inter_alpha: {_num(fields['inter_alpha'])}        # send/recv ring step, node-major world ring, per step"
              + ("; from the unshaped fit (tbf's burst biases the shaped intercept)" if c and c.inter_unshaped else ""),
              f"inter_bandwidth: {_num(fields['inter_bandwidth'])}    # bytes/s leaving one node (one ring flow)"
-             + (f" (link nominal {c.nominal_rate_bits / 1e6:g} Mbit/s); {fit_note(c.inter)}, alpha "
+             + (f"; link nominal {c.nominal_rate_bits / 1e6:g} Mbit/s; {fit_note(c.inter)}, alpha "
                 f"{c.inter.alpha * 1e3:.3f} ms" if c and c.nominal_rate_bits else ""),
              f"inter_link_efficiency: {fields['inter_link_efficiency']:.4f}  # inter_bandwidth / nominal rate"
              + (f"; one TCP stream reached {c.stream_bits_per_s / c.nominal_rate_bits:.3f}"
