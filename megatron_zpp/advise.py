@@ -35,8 +35,32 @@ def parse_bandwidth(text: str) -> float:
     return float(match.group(1)) * _UNITS[unit]
 
 
-def with_inter_bandwidth(cluster: ClusterSpec, bandwidth: float) -> ClusterSpec:
+def with_inter_bandwidth(cluster: ClusterSpec, bandwidth: float, nominal: bool = True) -> ClusterSpec:
+    """``cluster`` with another inter-node bandwidth per node (bytes/s).
+
+    ``nominal`` (a link's rated speed, e.g. ``--bandwidth 100Gbit`` or a tc rate): the model uses what such a
+    link achieves, ``bandwidth x inter_link_efficiency``, capped by ``inter_bandwidth_cap`` (the host's ceiling
+    where one was calibrated). ``nominal=False``: ``bandwidth`` is already an achieved figure, used as is.
+    """
+    if not bandwidth > 0:
+        raise ValueError(f"inter-node bandwidth={bandwidth!r} must be a positive number of bytes/s per node")
+    if nominal:
+        bandwidth *= cluster.inter_link_efficiency
+        if cluster.inter_bandwidth_cap is not None:
+            bandwidth = min(bandwidth, cluster.inter_bandwidth_cap)
     return dataclasses.replace(cluster, inter_bandwidth=bandwidth)
+
+
+def at_link_rate(cluster: ClusterSpec, rate_bits_per_s: float | None) -> ClusterSpec:
+    """``cluster`` with its inter-node links at a nominal rate in bits/s per node and direction (a tc rate, as
+    ``tools/netemu.py`` shapes them), or unshaped (``None``): then the calibrated ``inter_bandwidth_cap``."""
+    if rate_bits_per_s is None:
+        if cluster.inter_bandwidth_cap is None:
+            raise ValueError(f"cluster {cluster.name!r} has no inter_bandwidth_cap, so an unshaped link cannot be "
+                             "predicted; calibrate it with tools/calibrate.py --emulate (it measures the unshaped "
+                             "link too) or give a rate")
+        return dataclasses.replace(cluster, inter_bandwidth=cluster.inter_bandwidth_cap)
+    return with_inter_bandwidth(cluster, rate_bits_per_s / 8, nominal=True)
 
 
 def with_micro_batch(workload: WorkloadSpec, micro_batch: int) -> WorkloadSpec:
@@ -50,7 +74,8 @@ def with_micro_batch(workload: WorkloadSpec, micro_batch: int) -> WorkloadSpec:
 def is_uncompressed(policy_name: str) -> bool:
     """No codec on any dimension and no hpZ: the uncompressed baselines."""
     p = resolve(policy_name).policy
-    return p.is_identity and p.hpz_size == 1
+    # Not Policy.is_identity: the fair baseline (dp_uncompressed: hierarchical) compresses nothing either.
+    return all(c == "none" for c in p.codecs.values()) and p.hpz_size == 1
 
 
 def evaluate(cluster: ClusterSpec, workload: WorkloadSpec, policies) -> list[Prediction]:
@@ -108,12 +133,14 @@ def plot(path: str, cluster: ClusterSpec, workload: WorkloadSpec, policies: list
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bandwidths = [cluster.inter_bandwidth * 2 ** (i / 2) for i in range(-12, 13)]  # 1/64x .. 64x this cluster
+    # Achieved bandwidths around this cluster's (1/64x .. 64x), so no link efficiency is applied again.
+    bandwidths = [cluster.inter_bandwidth * 2 ** (i / 2) for i in range(-12, 13)]
     micro_batches = [1, 2, 4, 8, 16]
     fig, (ax_bw, ax_mb) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name in policies:
         ax_bw.plot([b * 8 / 1e9 for b in bandwidths],
-                   [predict(with_inter_bandwidth(cluster, b), workload, name).tokens_per_s for b in bandwidths],
+                   [predict(with_inter_bandwidth(cluster, b, nominal=False), workload, name).tokens_per_s
+                    for b in bandwidths],
                    label=name)
         ax_mb.plot(micro_batches, [predict(cluster, with_micro_batch(workload, mb), name).tokens_per_s / cluster.world_size
                                    for mb in micro_batches], marker="o", label=name)

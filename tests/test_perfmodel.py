@@ -160,9 +160,15 @@ def test_more_bandwidth_never_slower_and_compression_gains_shrink(workload_path)
     # Once the node's NICs are faster than the ranks' own links, the ring saturates (min(intra, inter / c))
     # while the all-to-all's node term still shrinks a little: ripples below 0.1% are allowed, no more.
     for name in ("qwz", "qgz", "zeropp", "hybrid"):
-        gains = [m / z for m, z in zip(steps["megatron"], steps[name])]
-        assert all(b <= a * (1 + 1e-3) for a, b in zip(gains, gains[1:])), f"{name}'s advantage grows with bandwidth"
-        assert gains[0] > gains[-1]
+        # Against the baseline the policy is built on: single components sit on the fair one, whose own gain over
+        # gloo's all-reduce-as-reduce-scatter (fewer latency-bound steps) grows with bandwidth.
+        base = steps["fair" if resolve(name).fair else "megatron"]
+        gains = [m / z for m, z in zip(base, steps[name])]
+        # Where the policy loses (gain < 1; e.g. FSDP's synchronous qgZ against a hidden uncompressed reduce-scatter
+        # on the calibrated CPU cluster), more bandwidth can shrink its exposed wire time faster: only wins must fade.
+        wins = [g for g in gains if g > 1]
+        assert all(b <= a * (1 + 1e-3) for a, b in zip(wins, wins[1:])), f"{name}'s advantage grows with bandwidth"
+        assert gains[0] > gains[-1] or gains[0] < 1
 
 
 def test_advisor_picks_zeropp_at_low_and_no_compression_at_high_bandwidth():
@@ -193,11 +199,15 @@ def test_gloo_reduce_scatter_costs_an_all_reduce():
 def test_policies_resolve_and_hpz_needs_zero3():
     workload = load_workload(ROOT / "configs/workloads/tiny-gpt-2x2.yaml")  # distopt: no backward gather
     cluster = _cluster()
-    assert predict(cluster, workload, "hpz").step_time_s == predict(cluster, workload, "megatron").step_time_s
-    assert resolve("zeropp").policy.hpz_size is None and resolve("fair").fair
+    # Single components sit on the fair baseline, as tools/bench_training.py runs them.
+    assert predict(cluster, workload, "hpz").step_time_s == predict(cluster, workload, "fair").step_time_s
+    assert resolve("zeropp").policy.hpz_size is None and resolve("fair").fair and not resolve("megatron").fair
+    assert all(resolve(n).fair for n in ("qwz", "hpz", "qgz"))
+    # 'fair' is the preset itself, and a Policy object's dp_uncompressed decides the same way.
+    assert resolve("fair").policy.dp_uncompressed == "hierarchical" and resolve(resolve("fair").policy).fair
     assert resolve("qwz").policy.codec("dp.param") == get_codec(ZEROPP_WEIGHTS).spec
     half = dataclasses.replace(resolve("qgz").policy, dp_grad_until=0.5)
-    t = [predict(cluster, workload, p).step_time_s for p in ("qgz", half, "megatron")]
+    t = [predict(cluster, workload, p).step_time_s for p in ("qgz", half, "fair")]
     assert t[1] == pytest.approx((t[0] + t[2]) / 2)
     with pytest.raises(ValueError, match="unknown policy 'zpp'.*valid: megatron, fair"):
         resolve("zpp")

@@ -112,16 +112,13 @@ def machine() -> str:
 def predict_row(cluster_yaml: Path | None, path: str, rate_bps: float | None, policy: str) -> tuple:
     if cluster_yaml is None:
         return "", ""
-    from megatron_zpp.perfmodel import load_cluster, load_workload, predict
+    # tools/model_check.py: the row's rate through the cluster's link efficiency (unshaped: its calibrated cap).
+    from model_check import load_workloads, predict_for_row
 
-    cluster = load_cluster(cluster_yaml)
-    if rate_bps is not None:
-        cluster = cluster.with_inter_bandwidth(rate_bps / 8) if hasattr(cluster, "with_inter_bandwidth") else cluster
-    workload = load_workload(REPO / "configs" / "workloads" /
-                             ("tiny-gpt-2x2.yaml" if path == "distopt" else "tiny-gpt-2x2-fsdp.yaml"))
-    name = {"megatron": "megatron"}.get(policy, policy)
-    p = predict(cluster, workload, name)
-    return p.step_time_s, sum(t.inter for t in p.bytes.values())
+    from megatron_zpp.perfmodel import load_cluster
+
+    p = predict_for_row(load_cluster(cluster_yaml), load_workloads()[path], rate_bps, policy)
+    return p.step_time_s, p.inter_bytes
 
 
 def launch(cluster, path: str, rate: str, policies: list[str], *, iters: int, log_dir: Path,

@@ -39,7 +39,8 @@ class ModelledPolicy:
     fair: bool = False
     """False: uncompressed dimensions call torch's collectives, as ``megatron_zpp.megatron.hooks`` does
     (Megatron's baseline). True: they run the project's uncompressed algorithms (hierarchical 2-hop
-    reduce-scatter, ring all-gather), the fair baseline compression is measured against."""
+    reduce-scatter, ring all-gather), the fair baseline compression is measured against; the policy's
+    ``dp_uncompressed: hierarchical`` (the ``fair`` preset) means the same."""
 
 
 def resolve(policy: str | Policy | ModelledPolicy) -> ModelledPolicy:
@@ -48,28 +49,38 @@ def resolve(policy: str | Policy | ModelledPolicy) -> ModelledPolicy:
     if isinstance(policy, ModelledPolicy):
         return policy
     if isinstance(policy, Policy):
-        return ModelledPolicy(policy.name, policy)
+        return _modelled(policy.name, policy)
     if not isinstance(policy, str):
         raise ValueError(f"policy {policy!r} must be a name, a Policy or a ModelledPolicy")
     none, zeropp = resolve_policy(ZppConfig(policy="none")), resolve_policy(ZppConfig(policy="zeropp"))
 
-    def with_codecs(**codecs: str) -> Policy:
-        return dataclasses.replace(none, name=policy, codecs={**none.codecs, **codecs})
+    def on_fair(**changes) -> ModelledPolicy:
+        # One ZeRO++ technique on the fair baseline (its other DP collectives on the project's uncompressed
+        # algorithms), as tools/bench_training.py runs them: each component's effect is its own.
+        fair = resolve_policy(ZppConfig(policy="fair"))
+        codecs = {**fair.codecs, **changes.pop("codecs", {})}
+        return _modelled(policy, dataclasses.replace(fair, name=policy, codecs=codecs, **changes))
 
     builtin = {
-        "megatron": lambda: ModelledPolicy("megatron", dataclasses.replace(none, name="megatron")),
-        "fair": lambda: ModelledPolicy("fair", dataclasses.replace(none, name="fair"), fair=True),
-        "qwz": lambda: ModelledPolicy("qwz", with_codecs(**{"dp.param": zeropp.codec("dp.param")})),
-        "hpz": lambda: ModelledPolicy("hpz", dataclasses.replace(none, name="hpz", hpz_size=None)),
-        "qgz": lambda: ModelledPolicy("qgz", with_codecs(**{"dp.grad": zeropp.codec("dp.grad")})),
+        "megatron": lambda: _modelled("megatron", dataclasses.replace(none, name="megatron")),
+        # The fair preset itself (configs/policies/fair.yaml: no codec, dp_uncompressed: hierarchical).
+        "fair": lambda: _modelled("fair", resolve_policy(ZppConfig(policy="fair"))),
+        "qwz": lambda: on_fair(codecs={"dp.param": zeropp.codec("dp.param")}),
+        "hpz": lambda: on_fair(hpz_size=None),
+        "qgz": lambda: on_fair(codecs={"dp.grad": zeropp.codec("dp.grad")}),
     }
     if policy in builtin:
         return builtin[policy]()
     if policy in available_presets() or Path(policy).suffix in (".yaml", ".yml"):
         resolved = resolve_policy(ZppConfig(policy=policy))
-        return ModelledPolicy(resolved.name, resolved)
+        return _modelled(resolved.name, resolved)
     raise ValueError(f"unknown policy {policy!r}; valid: {', '.join(BUILTIN_POLICIES + tuple(available_presets()))} "
                      "or a policy .yaml file")
+
+
+def _modelled(name: str, policy: Policy) -> ModelledPolicy:
+    """The policy's own ``dp_uncompressed`` decides who runs its uncompressed DP collectives."""
+    return ModelledPolicy(name, policy, fair=policy.dp_uncompressed == "hierarchical")
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -198,6 +209,8 @@ def _phase(gamma: float, compute: float, head: float, body: float, tail: float, 
     before compute starts, the last is ready only when it ends); the body hides behind gamma-slowed compute."""
     if not overlap:
         return compute + head + body + tail
+    if body == 0:  # nothing runs beside the compute (e.g. a single bucket): no contention, no slowdown
+        return head + compute + tail
     return head + max(gamma * compute, body) + tail
 
 

@@ -85,6 +85,14 @@ class ClusterSpec:
     inter_bandwidth: float
     """Bytes/s leaving one node, all NICs together, shared by the node's ranks (e.g. 1 x 100 Gbit/s IB =
     12.5e9)."""
+    inter_link_efficiency: float = 1.0
+    """Achieved / nominal inter-node bandwidth (0 < e <= 1.2), measured by ``tools/calibrate.py`` (TCP over a
+    tc-shaped link reaches ~0.9 of its rate). What-if sweeps at a *nominal* link rate (``advise --bandwidth``,
+    ``advise.with_inter_bandwidth``) use nominal x efficiency; ``inter_bandwidth`` itself is already achieved."""
+    inter_bandwidth_cap: float | None = None
+    """Bytes/s per node the inter-node path reaches at most whatever the link's rate: the host's ceiling, measured
+    on an emulated cluster with the link unshaped (gloo on shared CPU cores). Caps nominal x efficiency in what-if
+    sweeps and is the bandwidth of an unshaped run; None: no cap known."""
     compute_flops: float
     """Achieved FLOP/s of one rank on the model's matmuls (dense fwd/bwd, no communication)."""
     measured_layers: list[MeasuredLayer] = field(default_factory=list)
@@ -109,6 +117,11 @@ class ClusterSpec:
         for name in ("intra_alpha", "inter_alpha", "optimizer_overhead_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"cluster {name}={getattr(self, name)!r} must be >= 0 (seconds)")
+        if not 0 < self.inter_link_efficiency <= 1.2:
+            raise ValueError(f"cluster inter_link_efficiency={self.inter_link_efficiency!r} must be in (0, 1.2] "
+                             "(achieved / nominal bandwidth)")
+        if self.inter_bandwidth_cap is not None:
+            _positive("cluster inter_bandwidth_cap", self.inter_bandwidth_cap)
         if self.gamma < 1:
             raise ValueError(f"cluster gamma={self.gamma!r} must be >= 1 (a slowdown factor)")
         _choice("cluster backend", self.backend, BACKENDS)

@@ -1,0 +1,853 @@
+"""Calibrate a cluster for the performance model: measure it into a cluster YAML for ``load_cluster``.
+
+    sudo python tools/calibrate.py --emulate --nodes 2 --ranks-per-node 2 --rate 100mbit \\
+        --out configs/clusters/emulated-2x2.yaml                  # builds the emulated cluster (tools/netemu.py)
+    torchrun --nnodes N --nproc-per-node G ... tools/calibrate.py --out cluster.yaml [--rate 100gbit]   # real
+
+Every measurement runs on all ranks at once, as in training (on the emulated cluster 4 ranks share 2 cores, so a
+rank alone would be twice as fast as it ever is in a job). What is measured, and which primitive:
+
+- network: least-squares alpha-beta fits ``T = steps x alpha + bytes / B`` (on relative residuals) over message
+  sizes (default 64 KB-8 MB). Intra-node: ``all_to_all_single`` on the intra-node groups, both nodes at once (hop 1
+  of the project's 2-hop reduce-scatter; B per rank). Inter-node: one send/recv ring step on all ranks at once over
+  the node-major world ring, one flow leaving each node (the step of gloo's/NCCL's ring all-gather and all-reduce
+  and of the model's ``ring()``; B = bytes leaving one node per second). The emulated mode fits the inter-node link
+  twice: shaped at ``--rate`` (-> ``inter_bandwidth``, ``inter_link_efficiency`` = achieved / nominal; sizes within
+  two tbf bursts skipped) and unshaped (-> ``inter_bandwidth_cap``, the host's ceiling, and ``inter_alpha``).
+- cross-checks (reported, not fitted): the collectives training calls (gloo/NCCL all_gather_into_tensor,
+  reduce_scatter_tensor, all_reduce; the project's uncompressed 2-hop reduce-scatter and qwZ all-gather) at one size,
+  measured vs ``megatron_zpp.perfmodel.collectives`` with the fitted numbers.
+- compute: one Megatron-Core GPT layer (local spec, fp32 as ``pretrain_gpt.py`` builds it) forward + backward at
+  the benchmark shape -> ``measured_layers`` and ``compute_flops`` = its FLOPs / time; ``gamma`` = the same with
+  gloo all-reduces running in the background / alone.
+- kernels: INT8 (block 256) and INT4 (block 128) quantize / dequantize (``megatron_zpp.compression.ops``), the fp32
+  sum of received chunks (``reduce_throughput``), an Adam step on a model-shard-sized fp32 parameter
+  (``optimizer_params_per_s``; fixed part + the step's small collectives -> ``optimizer_overhead_s``).
+
+Every loop is bounded in count and in time; the emulated 2x2 calibration takes about two minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
+
+DEFAULT_SIZES = "64K,256K,1M,4M,8M"
+# Benchmark model of tools/bench_training.py (configs/workloads/tiny-gpt-2x2.yaml).
+DEFAULT_LAYER = dict(hidden=256, heads=8, seq_length=256, micro_batch=4)
+# Small collectives in one training step besides the buckets: Megatron's distributed-optimizer grad-norm
+# all-reduce and pretrain_gpt.py's loss all-reduce (megatron_zpp/training/trainer.py _reduce_loss).
+DEFAULT_STEP_COLLECTIVES = 2
+CROSS_CHECK_SHARD_BYTES = 1 << 20
+
+
+# ---------------------------------------------------------------------------------------------- pure helpers
+
+
+def parse_size(text: str) -> int:
+    """``64K`` / ``8M`` / ``1G`` / ``4096`` -> bytes (binary multiples)."""
+    s = text.strip().upper().removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    digits = s[:-1] if s[-1:] in "KMG" else s
+    if not digits.isdigit() or int(digits) <= 0:
+        raise ValueError(f"size {text!r} is not valid; give a positive integer of bytes with an optional K, M or G "
+                         "suffix (e.g. 64K, 8M)")
+    return int(digits) * mult
+
+
+@dataclass
+class Fit:
+    """A least-squares alpha-beta fit ``seconds = steps x alpha + bytes / bandwidth``."""
+
+    alpha: float
+    """Seconds per step (the intercept / steps), clamped at 0 (a negative intercept is noise)."""
+    bandwidth: float
+    """Bytes per second (1 / slope)."""
+    intercept: float
+    """The raw intercept in seconds, before clamping and dividing by steps."""
+    max_rel_residual: float
+    """Largest |measured - fitted| / measured over the points: how well a line describes them."""
+    points: list[tuple[float, float]] = field(default_factory=list)
+    """(bytes, seconds) the fit used."""
+
+
+def fit_alpha_beta(nbytes: list[float], seconds: list[float], steps: int = 1) -> Fit:
+    """Least squares of ``seconds`` on ``nbytes`` (a latency and a bandwidth), on *relative* residuals.
+
+    Sizes span two orders of magnitude, so plain least squares would let the largest messages decide the latency
+    too; weighting each point by 1 / seconds^2 minimizes relative errors instead: small messages pin alpha, large
+    ones the bandwidth. ``steps``: latency-bearing steps per measured operation (all-to-all peers, ring steps), so
+    ``alpha`` is per step. Raises ``ValueError`` for fewer than two distinct sizes, mismatched lists, a non-positive
+    time, or a time that does not grow with size (no bandwidth: the measurement is broken)."""
+    if len(nbytes) != len(seconds):
+        raise ValueError(f"fit_alpha_beta: {len(nbytes)} sizes but {len(seconds)} times")
+    if len(set(nbytes)) < 2:
+        raise ValueError(f"fit_alpha_beta: needs at least two distinct sizes, got {sorted(set(nbytes))}")
+    if steps < 1:
+        raise ValueError(f"fit_alpha_beta: steps={steps} must be >= 1")
+    if min(seconds) <= 0:
+        raise ValueError(f"fit_alpha_beta: times must be positive, got {seconds}")
+    w = [1.0 / (y * y) for y in seconds]
+    sw = sum(w)
+    mx = sum(wi * x for wi, x in zip(w, nbytes)) / sw
+    my = sum(wi * y for wi, y in zip(w, seconds)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, nbytes))
+    slope = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, nbytes, seconds)) / sxx
+    intercept = my - slope * mx
+    if not slope > 0:
+        raise ValueError(f"fit_alpha_beta: time does not grow with size (slope {slope:.3g} s/byte over sizes "
+                         f"{[int(x) for x in nbytes]}, times {[f'{y:.3g}' for y in seconds]}); use larger sizes")
+    residual = max(abs(y - (intercept + slope * x)) / y for x, y in zip(nbytes, seconds))
+    return Fit(alpha=max(intercept, 0.0) / steps, bandwidth=1.0 / slope, intercept=intercept,
+               max_rel_residual=residual, points=list(zip(nbytes, seconds)))
+
+
+def layer_forward_flops(hidden: int, seq_length: int, micro_batch: int) -> float:
+    """Forward FLOPs of one GPT layer for one micro-batch, the performance model's count (Narayanan et al.)."""
+    from megatron_zpp.perfmodel import LayoutSpec, ModelSpec, WorkloadSpec
+    from megatron_zpp.perfmodel.model import forward_flops
+
+    w = WorkloadSpec(name="layer", model=ModelSpec(layers=1, hidden=hidden, heads=1, seq_length=seq_length, vocab=1),
+                     layout=LayoutSpec(micro_batch=micro_batch, global_batch=micro_batch, dp=1))
+    return forward_flops(w)[0]
+
+
+@dataclass
+class Calibration:
+    """Everything the calibration measured (inputs of ``cluster_fields``), in the model's units."""
+
+    nodes: int
+    ranks_per_node: int
+    backend: str
+    intra: Fit | None
+    """all_to_all_single on the intra-node groups (per rank); None with one rank per node."""
+    inter: Fit
+    """A send/recv ring step on the node-major world ring (one flow per node), at the link's rate (shaped, or
+    real)."""
+    inter_unshaped: Fit | None
+    """The same with the emulated link unshaped (the host's ceiling); None on a real cluster."""
+    nominal_rate_bits: float | None
+    """The link's nominal rate (bits/s per node and direction) the inter fit ran at; None if unknown."""
+    layer: dict
+    """``hidden``, ``heads``, ``seq_length``, ``micro_batch``, ``fwd_bwd_s`` (mean over ranks), ``spread``, ``impl``."""
+    gamma: float
+    """Layer time with background all-reduces / alone, as measured (may be < 1 from noise)."""
+    gamma_covered: bool
+    """Whether the background collectives were still running when the timed layers ended."""
+    codecs: dict[str, dict[str, float]]
+    """codec name -> {quantize, dequantize} bytes of fp32 per second."""
+    reduce_throughput: float
+    optimizer_params_per_s: float
+    optimizer_fixed_s: float
+    """Intercept of the Adam fit (seconds per step at zero parameters)."""
+    small_collective_s: float
+    """A 4-byte all_reduce over all ranks (gloo's per-call software latency)."""
+    step_collectives: int
+    """Small collectives per training step charged to optimizer_overhead_s."""
+    cross_checks: list[dict] = field(default_factory=list)
+    """{name, rate, measured_s, predicted_s}: training's collectives vs the model with these numbers."""
+    stream_bits_per_s: float | None = None
+    """One TCP stream between two emulated nodes (``netemu.measure_stream``), a check of the shaping."""
+
+
+def cluster_fields(c: Calibration, name: str, source: str) -> dict:
+    """The ``ClusterSpec`` fields (a dict ``from_dict`` accepts) for a calibration."""
+    intra = c.intra or c.inter  # one rank per node: no intra-node link; the model then never uses these
+    efficiency = 1.0
+    if c.nominal_rate_bits:
+        efficiency = c.inter.bandwidth / (c.nominal_rate_bits / 8)
+    fwd_flops = layer_forward_flops(c.layer["hidden"], c.layer["seq_length"], c.layer["micro_batch"])
+    return {
+        "name": name, "source": source, "nodes": c.nodes, "ranks_per_node": c.ranks_per_node, "backend": c.backend,
+        "intra_alpha": intra.alpha, "intra_bandwidth": intra.bandwidth,
+        # The latency from the unshaped fit where there is one: tbf lets each message's first burst (256 KiB) pass at
+        # line rate, which bends the shaped fit's small sizes down and its intercept towards zero or below.
+        "inter_alpha": (c.inter_unshaped or c.inter).alpha, "inter_bandwidth": c.inter.bandwidth,
+        "inter_link_efficiency": efficiency,
+        "inter_bandwidth_cap": c.inter_unshaped.bandwidth if c.inter_unshaped else None,
+        "compute_flops": 3 * fwd_flops / c.layer["fwd_bwd_s"],
+        "measured_layers": [{"hidden": c.layer["hidden"], "seq_length": c.layer["seq_length"],
+                             "micro_batch": c.layer["micro_batch"], "tp": 1, "fwd_bwd_s": c.layer["fwd_bwd_s"]}],
+        "gamma": max(1.0, c.gamma),  # the model's gamma is a slowdown; a measured speed-up is noise
+        "codec_throughput": {k: dict(v) for k, v in c.codecs.items()},
+        "reduce_throughput": c.reduce_throughput,
+        "optimizer_params_per_s": c.optimizer_params_per_s,
+        "optimizer_overhead_s": max(c.optimizer_fixed_s, 0.0) + c.step_collectives * c.small_collective_s,
+    }
+
+
+def _num(v: float) -> str:
+    # Always a dot and a signed exponent: YAML 1.1 then reads a float, not a string.
+    return f"{v:.4e}"
+
+
+def cluster_yaml(fields: dict, c: Calibration | None = None) -> str:
+    """The cluster YAML text, commented with what each number is and how it was measured."""
+    def fit_note(f: Fit | None) -> str:
+        return (f"fit intercept {f.intercept * 1e3:.3f} ms, worst point off the line by {100 * f.max_rel_residual:.1f}%"
+                if f else "")
+
+    lines = ["# Written by tools/calibrate.py; rerun it rather than editing by hand. Units: seconds, bytes, bytes/s,",
+             "# FLOP/s. inter_bandwidth is per NODE (bytes leaving a node), intra_bandwidth per rank.",
+             f"name: {fields['name']}",
+             f"source: {json.dumps(fields['source'])}",
+             f"nodes: {fields['nodes']}",
+             f"ranks_per_node: {fields['ranks_per_node']}",
+             f"backend: {fields['backend']}",
+             f"intra_alpha: {_num(fields['intra_alpha'])}        # all_to_all_single, intra-node groups, per peer step"
+             + (f"; {fit_note(c.intra)}" if c and c.intra else ""),
+             f"intra_bandwidth: {_num(fields['intra_bandwidth'])}    # bytes/s per rank (both nodes at once)",
+             f"inter_alpha: {_num(fields['inter_alpha'])}        # send/recv ring step, node-major world ring, per step"
+             + ("; from the unshaped fit (tbf's burst biases the shaped intercept)" if c and c.inter_unshaped else ""),
+             f"inter_bandwidth: {_num(fields['inter_bandwidth'])}    # bytes/s leaving one node (one ring flow)"
+             + (f"; link nominal {c.nominal_rate_bits / 1e6:g} Mbit/s; {fit_note(c.inter)}, alpha "
+                f"{c.inter.alpha * 1e3:.3f} ms" if c and c.nominal_rate_bits else ""),
+             f"inter_link_efficiency: {fields['inter_link_efficiency']:.4f}  # inter_bandwidth / nominal rate"
+             + (f"; one TCP stream reached {c.stream_bits_per_s / c.nominal_rate_bits:.3f}"
+                if c and c.stream_bits_per_s and c.nominal_rate_bits else ""),
+             ("inter_bandwidth_cap: null" if fields["inter_bandwidth_cap"] is None else
+              f"inter_bandwidth_cap: {_num(fields['inter_bandwidth_cap'])}  # the same fit with the link unshaped "
+              "(host ceiling)" + (f"; {fit_note(c.inter_unshaped)}, alpha "
+                                  f"{c.inter_unshaped.alpha * 1e3:.3f} ms" if c and c.inter_unshaped else "")),
+             f"compute_flops: {_num(fields['compute_flops'])}      # FLOP/s per rank: the layer below's FLOPs / time",
+             "measured_layers:"]
+    for m in fields["measured_layers"]:
+        lines.append(f"  - {{hidden: {m['hidden']}, seq_length: {m['seq_length']}, micro_batch: {m['micro_batch']}, "
+                     f"tp: {m['tp']}, fwd_bwd_s: {_num(m['fwd_bwd_s'])}}}"
+                     + (f"  # {c.layer['impl']}, mean of all ranks running at once (spread "
+                        f"{100 * c.layer['spread']:.1f}%)" if c else ""))
+    lines.append(f"gamma: {fields['gamma']:.4f}                  # layer time with background all-reduces / alone"
+                 + (f" (measured {c.gamma:.4f}" + ("" if c.gamma_covered else
+                                                   ", background ended early: a lower bound") + ")" if c else ""))
+    lines.append("codec_throughput:               # bytes of fp32 input (quantize) / output (dequantize) per second")
+    for name, t in fields["codec_throughput"].items():
+        lines.append(f"  {name}: {{quantize: {_num(t['quantize'])}, dequantize: {_num(t['dequantize'])}}}")
+    lines += [f"reduce_throughput: {_num(fields['reduce_throughput'])}  # fp32 sum of received chunks, bytes in/s",
+              f"optimizer_params_per_s: {_num(fields['optimizer_params_per_s'])}  # Adam on fp32, all ranks at once",
+              f"optimizer_overhead_s: {_num(fields['optimizer_overhead_s'])}    # Adam fixed part"
+              + (f" {max(c.optimizer_fixed_s, 0) * 1e3:.2f} ms + {c.step_collectives} small all-reduces x "
+                 f"{c.small_collective_s * 1e3:.2f} ms" if c else "")]
+    if c and c.cross_checks:
+        lines.append("# Cross-checks (not fitted): training's collectives measured vs the model with these numbers:")
+        for x in c.cross_checks:
+            lines.append(f"#   {x['name']:<34} {x['rate']:<9} measured {x['measured_s'] * 1e3:8.1f} ms, model "
+                         f"{x['predicted_s'] * 1e3:8.1f} ms ({x['predicted_s'] / x['measured_s']:.2f}x)")
+    return "\n".join(lines) + "\n"
+
+
+def write_cluster(path: Path, fields: dict, c: Calibration | None = None):
+    """Write the YAML, then load it back with ``load_cluster`` (the file must be valid, or nothing is kept)."""
+    from megatron_zpp.perfmodel import load_cluster
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(cluster_yaml(fields, c))
+    try:
+        cluster = load_cluster(tmp)
+    except ValueError:
+        tmp.unlink()
+        raise
+    tmp.replace(path)
+    return cluster
+
+
+def predicted_cross_checks(fields: dict, measured: list[dict]) -> list[dict]:
+    """Fill ``predicted_s`` of every measured collective from ``perfmodel.collectives`` with the fitted cluster."""
+    from megatron_zpp.perfmodel import collectives as C
+    from megatron_zpp.perfmodel.specs import ClusterSpec, from_dict
+
+    base = from_dict(ClusterSpec, {k: v for k, v in fields.items() if v is not None}, "calibration")
+    out = []
+    for x in measured:
+        cluster = base
+        if x["rate"] == "unshaped" and base.inter_bandwidth_cap is not None:
+            cluster = dataclasses.replace(base, inter_bandwidth=base.inter_bandwidth_cap)
+        group = C.make_group(list(range(cluster.world_size)), cluster.ranks_per_node, 1)
+        shard = x["shard_bytes"] // 4
+        cost = {
+            "all_gather_into_tensor": lambda: C.all_gather(cluster, group, shard, "none", 4),
+            "reduce_scatter_tensor": lambda: C.torch_reduce_scatter(cluster, group, shard, 4),
+            "all_reduce": lambda: C.torch_all_reduce(cluster, group, shard, 4),
+            "2-hop reduce-scatter (fair)": lambda: C.hierarchical_reduce_scatter(cluster, group, shard, "none",
+                                                                                None, 1, 4),
+            "qwZ all-gather int8": lambda: C.all_gather(cluster, group, shard, "int8:block=256", 4),
+        }[x["kind"]]()
+        out.append({**x, "name": f"{x['kind']} {x['shard_bytes'] >> 20} MB/rank", "predicted_s": cost.total_s})
+    return out
+
+
+def table(c: Calibration, fields: dict) -> str:
+    """What was measured, as a printable table."""
+    rows = []
+
+    def add(what, value, how):
+        rows.append((what, value, how))
+
+    if c.intra:
+        add("intra alpha / B", f"{c.intra.alpha * 1e3:.3f} ms, {c.intra.bandwidth / 1e6:.1f} MB/s per rank",
+            f"all_to_all intra groups, worst residual {100 * c.intra.max_rel_residual:.1f}%")
+    add("inter alpha / B", f"{c.inter.alpha * 1e3:.3f} ms, {c.inter.bandwidth / 1e6:.2f} MB/s per node",
+        f"send/recv ring step, worst residual {100 * c.inter.max_rel_residual:.1f}%")
+    if c.nominal_rate_bits:
+        add("inter link efficiency", f"{fields['inter_link_efficiency']:.3f}",
+            f"vs nominal {c.nominal_rate_bits / 8e6:.2f} MB/s" + (
+                f"; one TCP stream {c.stream_bits_per_s / c.nominal_rate_bits:.3f}" if c.stream_bits_per_s else ""))
+    if c.inter_unshaped:
+        add("inter unshaped (cap)", f"{c.inter_unshaped.alpha * 1e3:.3f} ms, {c.inter_unshaped.bandwidth / 1e6:.1f} "
+            "MB/s per node", f"worst residual {100 * c.inter_unshaped.max_rel_residual:.1f}%")
+    L = c.layer
+    add("layer fwd+bwd", f"{L['fwd_bwd_s'] * 1e3:.1f} ms", f"h{L['hidden']} s{L['seq_length']} b{L['micro_batch']}, "
+        f"{L['impl']}, spread {100 * L['spread']:.1f}%")
+    add("compute_flops", f"{fields['compute_flops'] / 1e9:.2f} GFLOP/s per rank", "3 x layer forward FLOPs / time")
+    add("gamma", f"{c.gamma:.3f}", "with background all-reduces" + ("" if c.gamma_covered else " (ended early)"))
+    for name, t in c.codecs.items():
+        add(f"{name} quantize / dequantize", f"{t['quantize'] / 1e9:.2f} / {t['dequantize'] / 1e9:.2f} GB/s",
+            "fp32 bytes per second")
+    add("reduce_throughput", f"{c.reduce_throughput / 1e9:.2f} GB/s", "fp32 sum of 2 received chunks")
+    add("optimizer", f"{c.optimizer_params_per_s / 1e6:.1f} M params/s, fixed {c.optimizer_fixed_s * 1e3:.2f} ms",
+        "Adam on fp32, 2 sizes")
+    add("small all_reduce", f"{c.small_collective_s * 1e3:.2f} ms", f"x {c.step_collectives} per step -> "
+        f"optimizer_overhead_s {fields['optimizer_overhead_s'] * 1e3:.2f} ms")
+    for x in c.cross_checks:
+        add(f"check {x['kind']}", f"{x['measured_s'] * 1e3:.1f} ms ({x['rate']})",
+            f"model {x['predicted_s'] * 1e3:.1f} ms = {x['predicted_s'] / x['measured_s']:.2f}x")
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    return "\n".join(f"{a:<{w0}}  {b:<{w1}}  {h}" for a, b, h in rows)
+
+
+# ---------------------------------------------------------------------------------------------- worker
+
+
+class Worker:
+    """The measurements of one rank (all ranks run the same calls in the same order)."""
+
+    def __init__(self, a) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.torch, self.dist, self.a = torch, dist, a
+        cuda = torch.cuda.is_available() and a.backend != "gloo"
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        if not dist.is_initialized():
+            dist.init_process_group(a.backend or ("nccl" if cuda else "gloo"))
+        self.backend = dist.get_backend()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        g = a.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+        if g < 1 or self.world % g:
+            raise ValueError(f"ranks per node={g} must divide the world size {self.world} (set --ranks-per-node or "
+                             "launch with torchrun, which sets LOCAL_WORLD_SIZE)")
+        self.g, self.nodes = g, self.world // g
+        if self.nodes < 2:
+            raise ValueError(f"{self.world} ranks with {g} per node is one node: there is no inter-node link to "
+                             "calibrate")
+        # Every rank creates every group, in the same order (new_group is collective).
+        self.intra = None
+        for n in range(self.nodes):
+            grp = dist.new_group(list(range(n * g, (n + 1) * g))) if g > 1 else None
+            if self.rank // g == n:
+                self.intra = grp
+
+    # ------------------------------------------------------------------ timing
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize()
+
+    def agree_max(self, value: float) -> float:
+        """The largest value over all ranks (every rank gets the same number)."""
+        t = self.torch.tensor([value], dtype=self.torch.float64, device=self.device)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def gather_values(self, value: float) -> list[float]:
+        t = self.torch.tensor([value], dtype=self.torch.float64, device=self.device)
+        out = [self.torch.zeros_like(t) for _ in range(self.world)]
+        self.dist.all_gather(out, t)
+        return [float(x.item()) for x in out]
+
+    def timed(self, fn, budget_s: float, max_reps: int = 20, min_reps: int = 3) -> float:
+        """Seconds per call of ``fn`` on the slowest rank: one warm-up call sizes the repetitions to ``budget_s``
+        (the same count on every rank: collectives must match); each call is timed on its own, the slowest rank's
+        time taken per call, and the median over calls returned, so one call slowed by another job on a shared
+        machine does not move the result."""
+        torch = self.torch
+        self.dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        self.sync()
+        warm = self.agree_max(time.perf_counter() - t0)
+        reps = max(min_reps, min(max_reps, int(budget_s / max(warm, 1e-6))))
+        self.dist.barrier()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            self.sync()
+            times.append(time.perf_counter() - t0)
+        t = torch.tensor(times, dtype=torch.float64, device=self.device)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return statistics.median(t.tolist())
+
+    def local_median(self, fn, reps: int, warm: int = 1) -> float:
+        """Median seconds of ``fn`` on this rank (all ranks run it at once after a barrier)."""
+        for _ in range(warm):
+            fn()
+        self.sync()
+        self.dist.barrier()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            self.sync()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def mean_over_ranks(self, value: float) -> float:
+        return statistics.fmean(self.gather_values(value))
+
+    # ------------------------------------------------------------------ network
+    def a2a_fit(self, group, peers: int, senders_per_node: int, sizes: list[int], budget_s: float,
+                min_fit_bytes: int = 0) -> Fit | None:
+        """all_to_all_single of ``size`` bytes per peer on ``group``; the fit is against the bytes one rank sends
+        (per-rank link) times ``senders_per_node`` (a node's link). Sizes whose link bytes are at most
+        ``min_fit_bytes`` are skipped (a token bucket's burst passes them at line rate: they measure the bucket,
+        not the rate)."""
+        torch = self.torch
+        if group is None:
+            return None
+        members = peers + 1
+        sizes = [x for x in sizes if peers * x * senders_per_node > min_fit_bytes]
+        if len(sizes) < 2:
+            raise ValueError(f"fewer than two --sizes send more than {min_fit_bytes} bytes per link; give larger sizes")
+        xs, ts = [], []
+        for size in sizes:
+            numel = size // 4
+            inp = torch.randn(members * numel, device=self.device)
+            out = torch.empty_like(inp)
+            t = self.timed(lambda: self.dist.all_to_all_single(out, inp, group=group), budget_s)
+            xs.append(float(peers * numel * 4 * senders_per_node))
+            ts.append(t)
+        return fit_alpha_beta(xs, ts, steps=peers)
+
+    def ring_fit(self, sizes: list[int], budget_s: float, min_fit_bytes: int = 0) -> Fit:
+        """One ring step on all ranks at once: every rank sends ``size`` bytes to the next rank and receives from the
+        previous one (send/recv, as a ring all-gather / all-reduce step). The ring is node-major, so each node has
+        exactly one flow leaving it: the step time is ``alpha + size / inter_bandwidth`` (intra hops on the same
+        step are much faster)."""
+        torch, dist = self.torch, self.dist
+        nxt, prv = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+        sizes = [x for x in sizes if x > min_fit_bytes]
+        if len(sizes) < 2:
+            raise ValueError(f"fewer than two --sizes exceed {min_fit_bytes} bytes per link; give larger sizes")
+        xs, ts = [], []
+        for size in sizes:
+            send = torch.randn(size // 4, device=self.device)
+            recv = torch.empty_like(send)
+
+            def step():
+                for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)]):
+                    w.wait()
+            ts.append(self.timed(step, budget_s))
+            xs.append(float(size // 4 * 4))
+        return fit_alpha_beta(xs, ts)
+
+    def small_collective(self) -> float:
+        x = self.torch.zeros(1, device=self.device)
+        return self.timed(lambda: self.dist.all_reduce(x), budget_s=0.3, max_reps=50, min_reps=10)
+
+    def cross_checks(self, rate: str) -> list[dict]:
+        """Training's collectives at one size on all ranks (see predicted_cross_checks)."""
+        torch, dist = self.torch, self.dist
+        from megatron_zpp.comm import Topology, qgz_reduce_scatter, quantized_all_gather
+
+        topo = Topology(None, ranks_per_node=self.g)
+        shard = CROSS_CHECK_SHARD_BYTES // 4
+        full = torch.randn(self.world * shard, device=self.device)
+        part = torch.randn(shard, device=self.device)
+        calls = {
+            "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(full, part),
+            "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(part, full),
+            "all_reduce": lambda: dist.all_reduce(full),
+            "2-hop reduce-scatter (fair)": lambda: qgz_reduce_scatter(part, full, topo, codec="none", op="sum"),
+            "qwZ all-gather int8": lambda: quantized_all_gather(full, part, topo, codec="int8:block=256"),
+        }
+        out = []
+        for kind, fn in calls.items():
+            if kind == "qwZ all-gather int8" and self.device.type == "cpu":
+                from megatron_zpp.compression import ops
+                if not ops.kernels_available(self.device):
+                    continue
+            t = self.timed(fn, budget_s=1.0, max_reps=5, min_reps=2)
+            out.append({"kind": kind, "rate": rate, "shard_bytes": shard * 4, "measured_s": t})
+        return out
+
+    # ------------------------------------------------------------------ compute
+    def build_layer(self):
+        """``--layers`` GPT layers as pretrain_gpt.py builds them (Megatron-Core local spec, fp32), run as in the
+        model: forward through all, then backward through all, so activations leave the caches between a layer's
+        forward and its backward as in training; a plain torch layer of the same shape where Megatron-Core is
+        missing. Returns (callable fwd+bwd of one layer on average, description)."""
+        torch, a = self.torch, self.a
+        h, heads, s, b = a.hidden, a.heads, a.seq_length, a.micro_batch
+        x = torch.randn(s, b, h, device=self.device, requires_grad=True)
+        dy = torch.randn(s, b, h, device=self.device)
+        try:
+            from megatron.core import parallel_state, tensor_parallel
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+            from megatron.core.transformer import TransformerConfig
+            from megatron.core.transformer.spec_utils import build_module
+        except ImportError:
+            return self._torch_layer(x, dy), "plain torch layer (Megatron-Core not installed)"
+        import warnings
+
+        warnings.filterwarnings("ignore")
+        if self.device.type == "cpu":
+            from megatron_zpp.megatron.cpu_shim import install_cpu_shim
+
+            install_cpu_shim()
+        parallel_state.initialize_model_parallel(1, 1)
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+        config = TransformerConfig(
+            num_layers=1, hidden_size=h, num_attention_heads=heads, ffn_hidden_size=4 * h, hidden_dropout=0.0,
+            attention_dropout=0.0, params_dtype=torch.float32, use_cpu_initialization=self.device.type == "cpu",
+            gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
+            bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
+        layers = [build_module(get_gpt_layer_local_spec(), config=config, layer_number=i + 1).to(self.device)
+                  for i in range(a.layers)]
+
+        def stack():
+            y = x
+            for layer in layers:
+                y = layer(hidden_states=y, attention_mask=None)
+                y = y[0] if isinstance(y, tuple) else y
+            torch.autograd.backward(y, dy)
+        return stack, f"Megatron-Core local-spec layer, mean of a {a.layers}-layer stack"
+
+    def _torch_layer(self, x, dy):
+        torch = self.torch
+        a = self.a
+        h, heads = a.hidden, a.heads
+        nn = torch.nn
+        ln1, ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        qkv, proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        fc1, fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+        for m in (ln1, ln2, qkv, proj, fc1, fc2):
+            m.to(self.device)
+
+        def step():
+            s, b, _ = x.shape
+            q, k, v = qkv(ln1(x)).view(s, b, 3, heads, h // heads).permute(2, 1, 3, 0, 4)
+            att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = x + proj(att.permute(2, 0, 1, 3).reshape(s, b, h))
+            y = y + fc2(torch.nn.functional.gelu(fc1(ln2(y))))
+            torch.autograd.backward(y, dy)
+        def stack():
+            for _ in range(a.layers):  # the same layer: a plain torch stand-in, timed per layer like the stack
+                step()
+        return stack
+
+    def _layer_block(self, step, background: bool) -> tuple[float, list[float], bool]:
+        """``layer_reps`` timed passes on every rank at once, optionally while all-reduces of 4 MB per rank run in
+        the collective backend's background threads. Returns (mean over ranks of the per-rank medians, the per-rank
+        medians, whether the background outlasted the passes on every rank)."""
+        torch, dist = self.torch, self.dist
+        works = []
+        step()  # warm: allocator, first-call paths
+        self.sync()
+        dist.barrier()
+        if background:
+            # Enough back-to-back all-reduces to outlast the timed passes (1.5x their expected time), at most 50.
+            stack_s = self.a.layers * self._layer_s
+            count = int(min(50, max(1, math.ceil(1.5 * self.a.layer_reps * stack_s / self._allreduce_s))))
+            works = [dist.all_reduce(self._bg[i % len(self._bg)], async_op=True) for i in range(count)]
+        times = []
+        for _ in range(self.a.layer_reps):
+            t0 = time.perf_counter()
+            step()
+            self.sync()
+            times.append(time.perf_counter() - t0)
+        covered = bool(works) and not works[-1].is_completed()
+        for w in works:
+            w.wait()
+        per_rank = [t / self.a.layers for t in self.gather_values(statistics.median(times))]
+        covered = self.agree_max(0.0 if covered else 1.0) == 0.0
+        return statistics.fmean(per_rank), per_rank, covered
+
+    def compute(self, step) -> dict:
+        """Layer time alone, with background communication, alone again: gamma = with / mean(alone), interleaved so
+        that a drift in the machine's load (other jobs on shared cores) affects both sides alike."""
+        torch, dist = self.torch, self.dist
+        self._bg = [torch.randn(1 << 20, device=self.device) for _ in range(4)]
+        self._allreduce_s = self.timed(lambda: dist.all_reduce(self._bg[0]), budget_s=0.5, max_reps=5, min_reps=1)
+        alone1, ranks1, _ = self._layer_block(step, False)
+        self._layer_s = alone1
+        with_bg, _, covered = self._layer_block(step, True)
+        alone2, ranks2, _ = self._layer_block(step, False)
+        alone = (alone1 + alone2) / 2
+        per_rank = [(x + y) / 2 for x, y in zip(ranks1, ranks2)]
+        return {"fwd_bwd_s": alone, "spread": (max(per_rank) - min(per_rank)) / alone,
+                "alone_blocks_s": [alone1, alone2], "with_background_s": with_bg, "gamma": with_bg / alone,
+                "gamma_covered": covered}
+
+    # ------------------------------------------------------------------ kernels
+    def codecs(self) -> dict[str, dict[str, float]]:
+        torch = self.torch
+        from megatron_zpp.compression import layout, ops
+
+        if not ops.kernels_available(self.device):
+            return {}
+        n = 1 << 20
+        x = torch.randn(n, device=self.device)
+        out = torch.empty_like(x)
+        result = {}
+        for name, bits, block in (("int8", 8, 256), ("int4", 4, 128)):
+            packed = torch.empty(1, layout.row_bytes(n, bits, block), dtype=torch.uint8, device=self.device)
+            q = self.local_median(lambda: ops.quantize_rows_(x, packed, bits, block), reps=7)
+            d = self.local_median(lambda: ops.dequantize_rows_(packed, out, bits, block), reps=7)
+            result[name] = {"quantize": self.mean_over_ranks(4 * n / q), "dequantize": self.mean_over_ranks(4 * n / d)}
+        return result
+
+    def reduce_throughput(self) -> float:
+        torch = self.torch
+        n = 1 << 20
+        chunks = torch.randn(2, n, device=self.device)
+        acc = torch.empty(n, device=self.device)
+        t = self.local_median(lambda: torch.sum(chunks, dim=0, dtype=torch.float32, out=acc), reps=9)
+        return self.mean_over_ranks(chunks.numel() * 4 / t)
+
+    def optimizer(self) -> tuple[float, float]:
+        """(params/s, fixed s): Adam as Megatron-Core picks it on this machine (torch AdamW without TE/apex) plus
+        the grad-norm pass and clipping scale of its step, on ``--optimizer-params`` and a quarter of it."""
+        torch = self.torch
+        try:
+            from megatron.core.optimizer import Adam
+        except ImportError:
+            from torch.optim import AdamW as Adam
+        xs, ts = [], []
+        for n in (self.a.optimizer_params // 4, self.a.optimizer_params):
+            p = torch.nn.Parameter(torch.randn(n, device=self.device))
+            p.grad = torch.randn(n, device=self.device)
+            opt = Adam([p], lr=1e-4, weight_decay=0.01)
+
+            def step():
+                norm = torch.linalg.vector_norm(p.grad)
+                p.grad.mul_(1.0 / max(1.0, float(norm)))
+                opt.step()
+            t = self.local_median(step, reps=7, warm=2)
+            xs.append(float(n))
+            ts.append(statistics.fmean(self.gather_values(t)))
+        fit = fit_alpha_beta(xs, ts)
+        return fit.bandwidth, fit.intercept
+
+    # ------------------------------------------------------------------ run
+    def run(self, phase: str) -> dict:
+        a, log = self.a, (print if self.rank == 0 else (lambda *x, **k: None))
+        sizes = [parse_size(s) for s in a.sizes.split(",")]
+        out: dict = {"nodes": self.nodes, "ranks_per_node": self.g, "backend": self.backend}
+        t0 = time.monotonic()
+        log(f"calibrate: {self.nodes} nodes x {self.g} ranks, {self.backend}, phase {phase}", flush=True)
+        out["small_collective_s"] = self.small_collective()
+        out["inter"] = dataclasses.asdict(self.ring_fit(sizes, a.budget, a.min_fit_bytes))
+        log(f"calibrate: inter fit done ({time.monotonic() - t0:.0f} s)", flush=True)
+        intra = self.a2a_fit(self.intra, self.g - 1, 1, sizes, a.budget) if self.g > 1 else None
+        out["intra"] = dataclasses.asdict(intra) if intra else None
+        out["cross_checks"] = self.cross_checks(a.rate_label)
+        log(f"calibrate: network done ({time.monotonic() - t0:.0f} s)", flush=True)
+        if phase == "net":
+            return out
+        step, impl = self.build_layer()
+        measured = self.compute(step)
+        out["gamma"], out["gamma_covered"] = measured.pop("gamma"), measured.pop("gamma_covered")
+        out["layer"] = {**measured, "impl": impl, "hidden": a.hidden, "heads": a.heads,
+                        "seq_length": a.seq_length, "micro_batch": a.micro_batch}
+        log(f"calibrate: compute done ({time.monotonic() - t0:.0f} s)", flush=True)
+        out["codecs"] = self.codecs()
+        out["reduce_throughput"] = self.reduce_throughput()
+        out["optimizer_params_per_s"], out["optimizer_fixed_s"] = self.optimizer()
+        log(f"calibrate: kernels done ({time.monotonic() - t0:.0f} s)", flush=True)
+        return out
+
+
+def _fit(d: dict | None) -> Fit | None:
+    if d is None:
+        return None
+    return Fit(**{**d, "points": [tuple(p) for p in d["points"]]})
+
+
+def assemble(full: dict, unshaped: dict | None, nominal_rate_bits: float | None, step_collectives: int,
+             stream_bits_per_s: float | None = None) -> Calibration:
+    """A ``Calibration`` from the worker's JSON (and the unshaped run's, on an emulated cluster)."""
+    return Calibration(
+        nodes=full["nodes"], ranks_per_node=full["ranks_per_node"], backend=full["backend"],
+        intra=_fit(full["intra"]), inter=_fit(full["inter"]), inter_unshaped=_fit(unshaped["inter"]) if unshaped else None,
+        nominal_rate_bits=nominal_rate_bits, layer=full["layer"], gamma=full["gamma"],
+        gamma_covered=full["gamma_covered"], codecs=full["codecs"], reduce_throughput=full["reduce_throughput"],
+        optimizer_params_per_s=full["optimizer_params_per_s"], optimizer_fixed_s=full["optimizer_fixed_s"],
+        small_collective_s=full["small_collective_s"], step_collectives=step_collectives,
+        cross_checks=full["cross_checks"] + (unshaped["cross_checks"] if unshaped else []),
+        stream_bits_per_s=stream_bits_per_s)
+
+
+def finish(c: Calibration, a, command: str) -> int:
+    """Fields, cross-check predictions, YAML, table."""
+    source = (f"tools/calibrate.py {time.strftime('%Y-%m-%d')} on {machine()}, load average "
+              f"{os.getloadavg()[0]:.1f} at the end: {command}")
+    fields = cluster_fields(c, a.name, source)
+    c.cross_checks = predicted_cross_checks(fields, c.cross_checks)
+    cluster = write_cluster(Path(a.out), fields, c)
+    print(table(c, fields))
+    print(f"calibrate: wrote {a.out} (cluster {cluster.name!r}, loads with megatron_zpp.perfmodel.load_cluster)")
+    return 0
+
+
+def machine() -> str:
+    return f"{os.cpu_count()}-cpu {platform.machine()} {platform.node()}"
+
+
+# ---------------------------------------------------------------------------------------------- driver
+
+
+def worker_argv(a, phase: str, json_out: Path, rate_label: str) -> list[str]:
+    argv = [str(Path(__file__).resolve()), "--worker-json", str(json_out), "--phase", phase, "--rate-label", rate_label,
+            "--sizes", a.sizes, "--budget", str(a.budget), "--hidden", str(a.hidden), "--heads", str(a.heads),
+            "--seq-length", str(a.seq_length), "--micro-batch", str(a.micro_batch), "--layer-reps",
+            str(a.layer_reps), "--layers", str(a.layers), "--optimizer-params", str(a.optimizer_params),
+            "--ranks-per-node", str(a.ranks_per_node), "--min-fit-bytes", str(a.min_fit_bytes)]
+    return argv + (["--backend", a.backend] if a.backend else [])
+
+
+def emulate(a, command: str) -> int:
+    from netemu import EmulatedCluster, NetemuConfig, free_port, measure_stream, parse_rate
+
+    nominal = parse_rate(a.rate) if a.rate else None
+    work = Path(tempfile.mkdtemp(prefix="calibrate"))
+    config = NetemuConfig(nodes=a.nodes, ranks_per_node=a.ranks_per_node, rate=a.rate)
+    with EmulatedCluster(config) as cluster:
+        stream = None
+        if nominal:
+            # One TCP stream, sized to last ~1 s at the nominal rate (bounded 4-64 MiB).
+            mib = int(min(64, max(4, nominal / 8 / (1 << 20))))
+            stream = measure_stream(cluster, mib << 20)["bits_per_s"]
+            print(f"calibrate: one TCP stream node 0 -> 1: {stream / 1e6:.1f} Mbit/s "
+                  f"({stream / nominal:.3f} of {a.rate})", flush=True)
+        runs = [("full", a.rate or "unshaped")] + ([("net", "unshaped")] if nominal else [])
+        results = {}
+        for phase, rate in runs:
+            cluster.set_rate(None if rate == "unshaped" else rate)
+            out = work / f"{phase}.json"
+            argv = worker_argv(a, phase, out, rate)
+            if rate != "unshaped" and not a.min_fit_bytes:
+                # tbf passes a burst per node at line rate: fit only sizes well beyond two of them.
+                argv[argv.index("--min-fit-bytes") + 1] = str(2 * cluster._burst_bytes(rate))
+            r = cluster.run_torchrun(argv, timeout=a.timeout, master_port=free_port(),
+                                     python=a.python, echo=True, log_path=work / f"log-{phase}.txt")
+            if r.failure or not out.exists():
+                print(f"calibrate: the {phase} run at {rate} failed ({r.failure}); logs in {work}", file=sys.stderr)
+                print("".join(o[-3000:] for o in r.outputs), file=sys.stderr)
+                return 1
+            results[phase] = json.loads(out.read_text())
+    c = assemble(results["full"], results.get("net"), nominal, a.step_collectives, stream)
+    return finish(c, a, command)
+
+
+def worker_main(a, command: str) -> int:
+    import torch.distributed as dist
+
+    w = Worker(a)
+    result = w.run(a.phase)
+    if w.rank == 0:
+        if a.worker_json:
+            Path(a.worker_json).write_text(json.dumps(result))
+        else:  # launched by the user's torchrun on a real cluster: write the YAML here
+            from netemu import parse_rate
+
+            nominal = parse_rate(a.rate) if a.rate else None
+            finish(assemble(result, None, nominal, a.step_collectives), a, command)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", help="cluster YAML to write")
+    p.add_argument("--name", default=None, help="cluster name (default: the output file's stem)")
+    p.add_argument("--emulate", action="store_true", help="build the emulated cluster (tools/netemu.py; needs root) "
+                                                           "and run this script on it with torchrun")
+    p.add_argument("--nodes", type=int, default=2, help="emulated nodes")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="ranks per node (emulated: default 2; under torchrun: LOCAL_WORLD_SIZE)")
+    p.add_argument("--rate", default=None, help="inter-node link rate in tc units (100mbit, 1gbit): emulated, the "
+                                               "shaping; real, the nominal rate for inter_link_efficiency")
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help="bytes per peer of the alpha-beta fits (%(default)s)")
+    p.add_argument("--budget", type=float, default=1.5,
+                   help="seconds of repetitions per fitted size, at most 20 and at least 2 calls (%(default)s)")
+    p.add_argument("--hidden", type=int, default=DEFAULT_LAYER["hidden"])
+    p.add_argument("--heads", type=int, default=DEFAULT_LAYER["heads"])
+    p.add_argument("--seq-length", type=int, default=DEFAULT_LAYER["seq_length"])
+    p.add_argument("--micro-batch", type=int, default=DEFAULT_LAYER["micro_batch"])
+    p.add_argument("--layers", type=int, default=4, help="layers of the timed stack (the benchmark model's 4)")
+    p.add_argument("--layer-reps", type=int, default=5, help="timed forward+backward passes of the stack")
+    p.add_argument("--min-fit-bytes", type=int, default=0,
+                   help="skip fit sizes whose bytes per link are at most this (emulated: 2 tbf bursts when shaped)")
+    p.add_argument("--optimizer-params", type=int, default=830_848,
+                   help="fp32 parameters of the Adam measurement (default: the benchmark model's shard, 3,323,392 / 4)")
+    p.add_argument("--step-collectives", type=int, default=DEFAULT_STEP_COLLECTIVES,
+                   help="small all-reduces per training step charged to optimizer_overhead_s (%(default)s)")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl with GPUs, else gloo")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per emulated launch")
+    p.add_argument("--python", default=sys.executable)
+    p.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--phase", default="full", choices=("full", "net"), help=argparse.SUPPRESS)
+    p.add_argument("--rate-label", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    command = "python tools/calibrate.py " + " ".join(shlex.quote(x) for x in argv)
+    for name in ("nodes", "layers", "layer_reps", "optimizer_params", "hidden", "heads", "seq_length", "micro_batch"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')}={getattr(a, name)} must be a positive integer")
+    if a.step_collectives < 0:
+        p.error(f"--step-collectives={a.step_collectives} must be >= 0")
+    if not 0 < a.budget <= 10:
+        p.error(f"--budget={a.budget} must be in (0, 10] seconds")
+    try:
+        sizes = [parse_size(s) for s in a.sizes.split(",")]
+        if len(set(sizes)) < 2:
+            raise ValueError(f"--sizes={a.sizes!r} needs at least two distinct sizes for a fit")
+        if a.rate:
+            from netemu import parse_rate
+            parse_rate(a.rate)
+    except ValueError as e:
+        p.error(str(e))
+    if a.worker_json is None and not a.out:
+        p.error("--out is required")
+    a.name = a.name or (Path(a.out).stem if a.out else "cluster")
+    a.rate_label = a.rate_label or a.rate or "unshaped"
+    if a.emulate:
+        a.ranks_per_node = a.ranks_per_node or 2
+        if a.nodes < 2:
+            p.error(f"--nodes={a.nodes}: an emulated calibration needs at least 2 nodes (an inter-node link)")
+        return emulate(a, "sudo " + command)
+    return worker_main(a, "torchrun ... tools/calibrate.py " + " ".join(shlex.quote(x) for x in argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
