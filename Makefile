@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train test bench bench-codecs bench-collectives sweep cuda-build clean
+.PHONY: train test bench bench-codecs bench-collectives bench-training sweep cuda-build clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/include/zpp/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,18 @@ SWEEP_OUT ?= out/sweeps/$(basename $(notdir $(SWEEP)))
 sweep: $(STAMP)
 	@test "$$(id -u)" = 0 || { echo "make sweep needs root (netemu: namespaces, tc): sudo make sweep"; exit 1; }
 	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) tools/sweep.py $(SWEEP) --local --out-dir $(SWEEP_OUT) $(ARGS)
+
+# The measured performance study of docs/performance.md (needs root; about an hour on 2 cores): the full
+# W&B sweep (every policy x inter-node rate x ZeRO path on the emulated cluster), a calibration of that
+# cluster, and the performance model checked against every measured run.
+BENCH_OUT ?= out/sweeps/policies-vs-bandwidth
+bench-training: $(STAMP)
+	@test "$$(id -u)" = 0 || { echo "make bench-training needs root (netemu): sudo make bench-training"; exit 1; }
+	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) tools/sweep.py configs/sweeps/policies-vs-bandwidth.yaml --local \
+		--out-dir $(BENCH_OUT) $(ARGS)
+	$(PY) tools/calibrate.py --emulate --nodes 2 --ranks-per-node 2 --rate 100mbit --out $(BENCH_OUT)/emulated-2x2.yaml
+	$(PY) tools/model_check.py $(BENCH_OUT)/results.csv --cluster $(BENCH_OUT)/emulated-2x2.yaml \
+		--plot $(BENCH_OUT)/model-vs-measured.png --json $(BENCH_OUT)/model-vs-measured.json
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)

@@ -162,6 +162,9 @@ class Calibration:
     cross_checks: list[dict] = field(default_factory=list)
     """{name, rate, measured_s, predicted_s}: training's collectives vs the model with these numbers."""
     stream_bits_per_s: float | None = None
+    iteration: dict | None = None
+    """A no-communication training iteration (``measure_iteration``): ``MeasuredIteration`` fields plus
+    ``step_s`` (slowest process) and ``per_process_s``; None if not measured."""
     """One TCP stream between two emulated nodes (``netemu.measure_stream``), a check of the shaping."""
 
 
@@ -183,6 +186,8 @@ def cluster_fields(c: Calibration, name: str, source: str) -> dict:
         "compute_flops": 3 * fwd_flops / c.layer["fwd_bwd_s"],
         "measured_layers": [{"hidden": c.layer["hidden"], "seq_length": c.layer["seq_length"],
                              "micro_batch": c.layer["micro_batch"], "tp": 1, "fwd_bwd_s": c.layer["fwd_bwd_s"]}],
+        "measured_iterations": ([{k: c.iteration[k] for k in ("layers", "hidden", "seq_length", "micro_batch",
+                                                               "vocab", "fwd_bwd_s")}] if c.iteration else []),
         "gamma": max(1.0, c.gamma),  # the model's gamma is a slowdown; a measured speed-up is noise
         "codec_throughput": {k: dict(v) for k, v in c.codecs.items()},
         "reduce_throughput": c.reduce_throughput,
@@ -231,6 +236,14 @@ def cluster_yaml(fields: dict, c: Calibration | None = None) -> str:
                      f"tp: {m['tp']}, fwd_bwd_s: {_num(m['fwd_bwd_s'])}}}"
                      + (f"  # {c.layer['impl']}, mean of all ranks running at once (spread "
                         f"{100 * c.layer['spread']:.1f}%)" if c else ""))
+    lines.append("measured_iterations:" + ("" if fields["measured_iterations"] else " []"))
+    for m in fields["measured_iterations"]:
+        lines.append(f"  - {{layers: {m['layers']}, hidden: {m['hidden']}, seq_length: {m['seq_length']}, "
+                     f"micro_batch: {m['micro_batch']}, vocab: {m['vocab']}, fwd_bwd_s: {_num(m['fwd_bwd_s'])}}}"
+                     + (f"  # pretrain_gpt.py without communication, {len(c.iteration['per_process_s'])} processes "
+                        f"at once, step {c.iteration['step_s'] * 1e3:.0f} ms (slowest; all: "
+                        + ", ".join(f"{t * 1e3:.0f}" for t in c.iteration["per_process_s"]) + " ms)"
+                        if c and c.iteration else ""))
     lines.append(f"gamma: {fields['gamma']:.4f}                  # layer time with background all-reduces / alone"
                  + (f" (measured {c.gamma:.4f}" + ("" if c.gamma_covered else
                                                    ", background ended early: a lower bound") + ")" if c else ""))
@@ -734,6 +747,56 @@ def worker_argv(a, phase: str, json_out: Path, rate_label: str) -> list[str]:
     return argv + (["--backend", a.backend] if a.backend else [])
 
 
+def measure_iteration(a, processes: int) -> dict:
+    """Agarwal et al.'s T_comp: ``pretrain_gpt.py`` on the workload's model with data-parallel size 1 (no
+    communication at all), one rank's share of the batch, in ``processes`` concurrent processes (as many as
+    the cluster's ranks share this host, so each gets the CPU share it gets in training; one thread each,
+    as torchrun gives training ranks). The iteration minus its optimizer step (the fitted Adam rate on the
+    full model), per micro-batch, of the slowest process (synchronous training waits for it)."""
+    import subprocess
+
+    from netemu import free_port
+
+    from megatron_zpp.perfmodel import load_workload, total_params
+
+    w = load_workload(Path(a.workload))
+    m, lay = w.model, w.layout
+    if lay.tp != 1 or lay.pp != 1:
+        raise ValueError(f"--workload {a.workload}: the iteration measurement needs tp = pp = 1, got "
+                         f"tp={lay.tp}, pp={lay.pp}")
+    micro = lay.global_batch // (lay.micro_batch * lay.dp)
+    work = Path(tempfile.mkdtemp(prefix="calibrate-iteration"))
+    argv = ["--num-layers", m.layers, "--hidden-size", m.hidden, "--num-attention-heads", m.heads,
+            "--seq-length", m.seq_length, "--micro-batch-size", lay.micro_batch,
+            "--global-batch-size", lay.micro_batch * micro, "--train-iters", a.iteration_iters,
+            "--eval-iters", 0, "--log-interval", 1000] + (["--bf16"] if lay.param_bytes == 2 else [])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env.pop("ZPP_NIC", None)
+    procs = []
+    for i in range(processes):
+        cmd = [a.python, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(free_port()),
+               str(REPO / "pretrain_gpt.py")] + [str(x) for x in argv] + ["--summary-json", str(work / f"{i}.json")]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env))
+    try:
+        for proc in procs:
+            proc.wait(timeout=a.timeout)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    steps = []
+    for i, proc in enumerate(procs):
+        f = work / f"{i}.json"
+        if proc.returncode or not f.exists():
+            raise RuntimeError(f"calibrate: the no-communication iteration run {i} failed ({proc.returncode})")
+        steps.append(json.loads(f.read_text())["seconds_per_iteration"])
+    step = max(steps)
+    optimizer_s = total_params(w) / a.optimizer_rate_for_iteration + a.optimizer_fixed_for_iteration
+    return {"layers": m.layers, "hidden": m.hidden, "seq_length": m.seq_length, "micro_batch": lay.micro_batch,
+            "vocab": m.vocab, "fwd_bwd_s": max(step - optimizer_s, 0.5 * step) / micro, "step_s": step,
+            "per_process_s": steps}
+
+
 def emulate(a, command: str) -> int:
     from netemu import EmulatedCluster, NetemuConfig, free_port, measure_stream, parse_rate
 
@@ -765,6 +828,14 @@ def emulate(a, command: str) -> int:
                 return 1
             results[phase] = json.loads(out.read_text())
     c = assemble(results["full"], results.get("net"), nominal, a.step_collectives, stream)
+    if a.workload:
+        # After the network phases, with the namespaces gone: it needs no network, only this host's CPUs.
+        a.optimizer_rate_for_iteration, a.optimizer_fixed_for_iteration = c.optimizer_params_per_s, max(
+            c.optimizer_fixed_s, 0.0)
+        c.iteration = measure_iteration(a, a.nodes * a.ranks_per_node)
+        print(f"calibrate: no-communication iteration: {c.iteration['step_s'] * 1e3:.0f} ms (slowest of "
+              f"{len(c.iteration['per_process_s'])}), {c.iteration['fwd_bwd_s'] * 1e3:.0f} ms per micro-batch",
+              flush=True)
     return finish(c, a, command)
 
 
@@ -813,6 +884,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="fp32 parameters of the Adam measurement (default: the benchmark model's shard, 3,323,392 / 4)")
     p.add_argument("--step-collectives", type=int, default=DEFAULT_STEP_COLLECTIVES,
                    help="small all-reduces per training step charged to optimizer_overhead_s (%(default)s)")
+    p.add_argument("--workload", default=str(REPO / "configs" / "workloads" / "tiny-gpt-2x2.yaml"),
+                   help="emulated: also time this workload's training iteration without communication "
+                        "(measured_iterations; '' skips it) (%(default)s)")
+    p.add_argument("--iteration-iters", type=int, default=6,
+                   help="iterations of each no-communication run (the first is not timed) (%(default)s)")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl with GPUs, else gloo")
     p.add_argument("--timeout", type=float, default=300, help="seconds per emulated launch")
     p.add_argument("--python", default=sys.executable)

@@ -81,16 +81,11 @@ def predict_for_row(cluster, workload, rate_bits_per_s: float | None, policy: st
 
 
 def counted_like(prediction, workload, iterations: int) -> float:
-    """Predicted cross-node bytes per iteration as ``pretrain_gpt.py`` counts them: its counter runs over the whole
-    job, which after the last iteration gathers the parameters once more (``start_param_sync(force_sync=True)``, so
-    replicas can be compared): ``iterations`` x per-iteration + one gather, divided by ``iterations``."""
-    lay = workload.layout
-    gather = prediction.bytes["dp.param"].inter
-    if lay.zero_mode == "fsdp":
-        gather /= lay.microbatches  # the model's dp.param is per iteration: one forward gather per micro-batch
-    elif lay.zero_mode == "ddp":
-        gather = 0.0
-    return prediction.inter_bytes + gather / iterations
+    """Predicted cross-node bytes per iteration as ``pretrain_gpt.py`` counts them: its window closes at the end
+    of the training loop (``IterationLogger.end_training``), so the final parameter sync and the evaluation are
+    not in it and the model's per-iteration bytes compare directly. ``workload`` and ``iterations`` are kept
+    for callers that pass them."""
+    return prediction.inter_bytes
 
 
 def _float(row: dict, key: str) -> float | None:

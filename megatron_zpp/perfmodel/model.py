@@ -261,6 +261,12 @@ def _predict(cluster: ClusterSpec, workload: WorkloadSpec, mp: ModelledPolicy) -
     logits_f = logits_flops / (lay.pp * lay.tp * cluster.compute_flops)
     math_f = layers * layer_f + logits_f
     math_b = layers * (layer_b + (layer_f if lay.activation_recompute else 0)) + 2 * logits_f
+    whole = [x for x in cluster.measured_iterations
+             if (x.layers, x.hidden, x.seq_length, x.micro_batch, x.vocab)
+             == (model.layers, model.hidden, model.seq_length, lay.micro_batch, model.vocab)]
+    if whole and lay.tp == lay.pp == 1 and not lay.activation_recompute:
+        # A measured micro-batch of this very model: logits, loss and framework overhead included.
+        math_f, math_b = whole[0].fwd_bwd_s / 3, 2 * whole[0].fwd_bwd_s / 3
 
     # Tensor parallel: Megatron's 2 all-reduces per layer forward, 2 backward (2 more when recomputing).
     tp_f = tp_b = 0.0

@@ -55,6 +55,34 @@ class MeasuredLayer:
 
 
 @dataclass(kw_only=True)
+class MeasuredIteration:
+    """A measured training iteration without communication (Agarwal et al.'s T_comp from a run with no
+    communication): ``pretrain_gpt.py`` with data-parallel size 1 in as many concurrent processes as the
+    cluster has ranks per host, each with one rank's share of the batch. Unlike ``measured_layers`` it
+    includes the logits, the loss and the framework's own per-micro-batch overhead; a workload of exactly
+    this shape (TP = PP = 1) uses it for its compute."""
+
+    layers: int
+    """Transformer layers of the measured model."""
+    hidden: int
+    """Hidden size."""
+    seq_length: int
+    """Sequence length."""
+    micro_batch: int
+    """Sequences per micro-batch."""
+    vocab: int
+    """Vocabulary before padding."""
+    fwd_bwd_s: float
+    """Seconds of one micro-batch's forward + backward through the whole model on one rank (the iteration's
+    time less its optimizer step, per micro-batch; the slowest concurrent process, which sets the pace of
+    synchronous training)."""
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "seq_length", "micro_batch", "vocab", "fwd_bwd_s"):
+            _positive(f"measured iteration {name}", getattr(self, name))
+
+
+@dataclass(kw_only=True)
 class ClusterSpec:
     """A cluster as the model sees it: two network tiers, compute, codec kernels, optimizer.
 
@@ -97,6 +125,8 @@ class ClusterSpec:
     """Achieved FLOP/s of one rank on the model's matmuls (dense fwd/bwd, no communication)."""
     measured_layers: list[MeasuredLayer] = field(default_factory=list)
     """Measured per-layer fwd+bwd times; a workload matching one exactly uses it instead of compute_flops."""
+    measured_iterations: list[MeasuredIteration] = field(default_factory=list)
+    """Measured no-communication iterations; a workload matching one exactly uses it before measured_layers."""
     gamma: float = 1.0
     """Compute slowdown while communication overlaps it (Agarwal et al.'s gamma, >= 1): backward time with
     concurrent communication / backward time alone."""
