@@ -33,6 +33,15 @@ def test_config_rejects_bad_values():
     assert netemu.NetemuConfig(rate="unshaped").rate is None
 
 
+def test_help_prints_every_config_field(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        netemu.main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert all(f"--{name}" in out for name in ("nodes", "ranks-per-node", "rate", "delay", "mtu"))
+    assert "under 1% of the bytes" in out  # the docstring, % and all
+
+
 @needs_namespaces
 def test_shaped_stream_reaches_the_rate_and_counters_measure_the_payload():
     with netemu.EmulatedCluster(netemu.NetemuConfig(nodes=2, rate="200mbit")) as cluster:

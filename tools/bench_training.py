@@ -263,11 +263,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
         ax.set_title(f"{path}: 2 emulated nodes x 2 gloo ranks")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"Training throughput vs inter-node bandwidth ({stamp})", fontsize=10)
-    fig.tight_layout()
-    throughput = out_dir / "throughput.png"
-    fig.savefig(throughput, dpi=110)
-    plt.close(fig)
+    throughput = _save(fig, out_dir / "throughput.png", f"Training throughput vs inter-node bandwidth ({stamp})", 110)
 
     rates = list(dict.fromkeys(r["rate"] for r in rows))
     fig, axes = plt.subplots(len(paths), len(rates), figsize=(3.2 * len(rates), 3.6 * len(paths)), squeeze=False)
@@ -287,12 +283,18 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
                 ax.set_ylabel("seconds / iteration")
             if i == 0 and j == 0:
                 ax.legend(fontsize=7)
-    fig.suptitle(f"Per-iteration breakdown, measured on the host ({stamp})", fontsize=10)
-    fig.tight_layout()
-    breakdown = out_dir / "breakdown.png"
-    fig.savefig(breakdown, dpi=100)
-    plt.close(fig)
+    breakdown = _save(fig, out_dir / "breakdown.png", f"Per-iteration breakdown, measured on the host ({stamp})", 100)
     return [throughput, breakdown]
+
+
+def _save(fig, path: Path, title: str, dpi: int) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -409,13 +409,7 @@ class Worker:
         warm = self.agree_max(time.perf_counter() - t0)
         reps = max(min_reps, min(max_reps, int(budget_s / max(warm, 1e-6))))
         self.dist.barrier()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            self.sync()
-            times.append(time.perf_counter() - t0)
-        t = torch.tensor(times, dtype=torch.float64, device=self.device)
+        t = torch.tensor(self._each_call(fn, reps), dtype=torch.float64, device=self.device)
         self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
         return statistics.median(t.tolist())
 
@@ -425,13 +419,17 @@ class Worker:
             fn()
         self.sync()
         self.dist.barrier()
+        return statistics.median(self._each_call(fn, reps))
+
+    def _each_call(self, fn, reps: int) -> list[float]:
+        """Seconds of each of ``reps`` calls of ``fn`` on this rank, device work included."""
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
             fn()
             self.sync()
             times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return times
 
     def mean_over_ranks(self, value: float) -> float:
         return statistics.fmean(self.gather_values(value))

@@ -44,7 +44,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_zpp.training.nic import HEADER_BYTES  # noqa: E402  (one definition of the header size)
+from megatron_zpp.policy.cli import field_docs  # noqa: E402  (the CLI's help from the dataclass docstrings)
+from megatron_zpp.training.nic import tcp_payload_bytes  # noqa: E402  (one definition of the header arithmetic)
 PREFIX = "zpp"  # every namespace, bridge and veth this tool makes starts with it (see --teardown-stale)
 SUBNET = "10.77.0"
 RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
@@ -101,9 +102,8 @@ class LinkCounters:
 
     @property
     def sent_payload_bytes(self) -> int:
-        """TCP payload the node sent: counted bytes minus one header per counted packet (the
-        counters see GSO super-packets, one header each; pure ACKs are all header)."""
-        return max(self.rx_bytes - HEADER_BYTES * self.rx_packets, 0)
+        """TCP payload the node sent."""
+        return tcp_payload_bytes(self.rx_bytes, self.rx_packets)
 
 
 def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
@@ -421,9 +421,10 @@ def describe(result: RunResult) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    docs = field_docs(NetemuConfig)
     for f in dataclasses.fields(NetemuConfig):
         p.add_argument(f"--{f.name.replace('_', '-')}", type=int if f.type == "int" else str, default=f.default,
-                       help=(f.metadata.get("help") or _field_doc(f.name)))
+                       help=docs.get(f.name, "").replace("%", "%%"))  # argparse formats help with %
     p.add_argument("--timeout", type=float, default=1800, help="seconds before the job is killed")
     p.add_argument("--python", default=sys.executable, help="interpreter that runs torchrun on the nodes")
     p.add_argument("--log", type=Path, default=None, help="write every node's output here")
@@ -502,19 +503,6 @@ def measure_stream(cluster: EmulatedCluster, nbytes: int) -> dict:
     delta = cluster.counters()[0] - before[0]
     return {"bytes": received, "seconds": seconds, "bits_per_s": received * 8 / seconds,
             "payload_bytes": delta.sent_payload_bytes, "counted_bytes": delta.rx_bytes}
-
-
-def _field_doc(name: str) -> str:
-    """The attribute docstring of a NetemuConfig field (the CLI's help comes from the dataclass)."""
-    import ast
-    import inspect
-
-    tree = ast.parse(inspect.getsource(NetemuConfig))
-    body = tree.body[0].body
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and node.target.id == name and isinstance(nxt, ast.Expr):
-            return " ".join(nxt.value.value.split())
-    return ""
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str, 
     for f in dataclasses.fields(cls):
         kind = _scalar_type(hints[f.name])
         dest = f"{prefix}_{f.name}".replace("-", "_")
-        help_text = docs.get(f.name, "")
+        help_text = docs.get(f.name, "").replace("%", "%%")  # argparse formats help strings with %
         if kind is bool:
             group.add_argument(flag_name(prefix, f.name), dest=dest, action=argparse.BooleanOptionalAction,
                                default=f.default, help=help_text)

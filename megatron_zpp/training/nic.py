@@ -22,6 +22,12 @@ import torch.distributed as dist
 HEADER_BYTES = 66
 
 
+def tcp_payload_bytes(counted_bytes: int, counted_packets: int) -> int:
+    """TCP payload in a link's counted bytes: one header per counted packet (the counters see GSO
+    super-packets, one header each; pure ACKs are all header)."""
+    return max(counted_bytes - HEADER_BYTES * counted_packets, 0)
+
+
 @dataclass
 class NicDelta:
     tx_bytes: int = 0
@@ -29,9 +35,7 @@ class NicDelta:
 
     @property
     def payload_bytes(self) -> int:
-        """TCP payload sent: counted bytes minus one header per counted packet (the counters see
-        GSO super-packets, one header each; pure ACKs are all header)."""
-        return max(self.tx_bytes - HEADER_BYTES * self.tx_packets, 0)
+        return tcp_payload_bytes(self.tx_bytes, self.tx_packets)
 
 
 class NicWindow:
