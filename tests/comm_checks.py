@@ -147,9 +147,13 @@ def collectives_worker(seed: int) -> dict:
             # order would differ in the last bits.
             ints = [torch.randint(-8, 8, (size * length,), generator=gen(seed + 1, r)).to(dtype)
                     for r in range(size)]
-            ref = torch.empty(length, dtype=dtype)
-            dist.reduce_scatter_tensor(ref, ints[rank].clone(), op=dist.ReduceOp.SUM)
-            ref.div_(size)
+            ref_sum = torch.empty(length, dtype=dtype)
+            dist.reduce_scatter_tensor(ref_sum, ints[rank].clone(), op=dist.ReduceOp.SUM)
+            ref = ref_sum / size
+            # op="sum": what Megatron's distributed optimizer asks for after pre-scaling.
+            out = torch.full_like(ref, float("nan"))
+            qgz_reduce_scatter(out, ints[rank].clone(), topo, codec="none", op="sum")
+            assert torch.equal(out, ref_sum), f"qgZ none sum reduce-scatter != torch sum ({tag}): {out} vs {ref_sum}"
             for name, fn in (("qgZ none", lambda o, i: qgz_reduce_scatter(o, i, topo, codec="none")),
                              ("qgZ none stages=2", lambda o, i: qgz_reduce_scatter(o, i, topo, codec="none",
                                                                                    stages=2)),

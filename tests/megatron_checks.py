@@ -26,10 +26,11 @@ def run_policies(parallel: list[str], iterations: int, ranks_per_node: int, over
     overlap = ["--overlap-grad-reduce"] + (["--overlap-param-gather"] if "--use-distributed-optimizer" in parallel
                                            else [])
     none = pretrain(base + ["--zpp-policy", "none"], log=_quiet)
-    out = {"absent": pretrain(base, log=_quiet, plugin=False)["losses"], "none": none["losses"],
+    absent = pretrain(base, log=_quiet, plugin=False)
+    out = {"absent": absent["losses"], "absent_grad_norms": absent["grad_norms"], "none": none["losses"],
            "none_traffic": none["traffic"]}
     fair = pretrain(base + ["--zpp-policy", "fair"], log=_quiet)
-    out["fair"] = {k: fair[k] for k in ("losses", "traffic", "dp_replicas_identical", "finite")}
+    out["fair"] = {k: fair[k] for k in ("losses", "grad_norms", "traffic", "dp_replicas_identical", "finite")}
     if overlap_variants:
         out["absent_overlap"] = pretrain(base + overlap, log=_quiet, plugin=False)["losses"]
         out["none_overlap"] = pretrain(base + overlap + ["--zpp-policy", "none"], log=_quiet)["losses"]
@@ -76,10 +77,11 @@ def fsdp_zeropp(iterations: int, workdir: str) -> dict:
     base = SMALL + ["--use-megatron-fsdp", "--bf16", "--overlap-grad-reduce", "--overlap-param-gather",
                     "--zpp-ranks-per-node", "2", "--train-iters", str(iterations)]
     none = pretrain(base + ["--zpp-policy", "none"], log=_quiet)
-    out = {"absent": pretrain(base, log=_quiet, plugin=False)["losses"], "none": none["losses"],
+    absent = pretrain(base, log=_quiet, plugin=False)
+    out = {"absent": absent["losses"], "absent_grad_norms": absent["grad_norms"], "none": none["losses"],
            "none_traffic": none["traffic"]}
     fair = pretrain(base + ["--zpp-policy", "fair"], log=_quiet)
-    out["fair"] = {k: fair[k] for k in ("losses", "traffic", "dp_replicas_identical", "finite")}
+    out["fair"] = {k: fair[k] for k in ("losses", "grad_norms", "traffic", "dp_replicas_identical", "finite")}
 
     digests: list[str] = []
     originals = (hooks_module.quantized_all_gather, hooks_module.hpz_all_gather)

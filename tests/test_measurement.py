@@ -4,6 +4,7 @@ that restore Megatron exactly after timing its methods."""
 import time
 
 import pytest
+import torch
 
 import measurement_checks as checks
 from megatron_zpp.comm.stats import CommTimers
@@ -53,15 +54,63 @@ def test_uninstall_restores_megatron_exactly_and_one_install_at_a_time():
     from megatron_zpp.megatron.hooks import MegatronHooks
     from megatron_zpp.policy import ZppConfig, resolve_policy
 
+    from megatron.core.pipeline_parallel import p2p_communication
+    from megatron.core.tensor_parallel import layers, mappings
+
     classes = [pgb._ParamAndGradBucketGroup, fsdp_buf.AllGatherPipeline, fsdp_buf.GradReducePipeline,
-               fsdp_buf.ParamAndGradBuffer, megatron_fsdp.MegatronFSDP]
+               fsdp_buf.ParamAndGradBuffer, megatron_fsdp.MegatronFSDP, p2p_communication, layers, mappings,
+               layers.LinearWithGradAccumulationAndAsyncCommunication]
     before = [dict(vars(c)) for c in classes]
-    first = MegatronHooks(resolve_policy(ZppConfig(policy="fair"))).install()
+    # tp and pp codecs too: the model-parallel hooks patch module functions and a staticmethod.
+    first = MegatronHooks(resolve_policy(ZppConfig(policy="fair", tp="int8", pp="int8"))).install()
     changed = sum(vars(c)[k] is not v for c, b in zip(classes, before) for k, v in b.items() if k in vars(c))
-    assert changed >= 9  # start/finish grad and param sync, the FSDP pipeline methods and its waits
+    assert changed >= 9 + 8  # DP/FSDP methods and waits; p2p ops, TP collectives, the linear's backward
     with pytest.raises(RuntimeError, match="another MegatronHooks is installed"):
         MegatronHooks(resolve_policy(ZppConfig(policy="zeropp"))).install()
     first.uninstall()
     assert [dict(vars(c)) for c in classes] == before
     MegatronHooks(resolve_policy(ZppConfig(policy="none"))).install().uninstall()  # free again
     assert [dict(vars(c)) for c in classes] == before
+
+
+def test_fsdp_premul_sum_becomes_scale_then_sum_under_our_reduction():
+    """Megatron-FSDP fuses 1/DP into NCCL's PREMUL_SUM for non-bf16 gradients; our reductions take
+    SUM, so while ours run the gradients are scaled first (Megatron's unfused branch)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as fsdp_buf
+
+    from megatron_zpp.megatron.hooks import MegatronHooks
+    from megatron_zpp.policy import ZppConfig, resolve_policy
+
+    cfg = SimpleNamespace(average_in_collective=False, gradient_reduce_div_fusion=True)
+    original = fsdp_buf.gradient_reduce_preprocessing
+    for policy, ours in (("fair", True), ("none", False)):
+        hooks = MegatronHooks(resolve_policy(ZppConfig(policy=policy)))
+        grad = torch.full((4,), 3.0)
+        with hooks._route_fsdp_reduce([], fsdp_buf):
+            op = fsdp_buf.gradient_reduce_preprocessing(grad, 0.25, cfg)
+        assert fsdp_buf.gradient_reduce_preprocessing is original
+        if ours:
+            assert op == dist.ReduceOp.SUM and torch.equal(grad, torch.full((4,), 0.75))
+        else:  # Megatron's own collective: its fused op, gradients untouched
+            assert op != dist.ReduceOp.SUM and torch.equal(grad, torch.full((4,), 3.0))
+
+
+def test_fsdp_strategies_that_bypass_the_routing_are_refused():
+    from types import SimpleNamespace
+
+    from megatron_zpp.megatron.hooks import MegatronHooks
+    from megatron_zpp.policy import ZppConfig, resolve_policy
+
+    fair = MegatronHooks(resolve_policy(ZppConfig(policy="fair")))
+    for strategy in ("no_shard", "optim"):
+        with pytest.raises(NotImplementedError, match=f"data_parallel_sharding_strategy='{strategy}'"):
+            fair._check_fsdp_supported(SimpleNamespace(data_parallel_sharding_strategy=strategy))
+    with pytest.raises(NotImplementedError, match="outer data-parallel group"):
+        fair._check_fsdp_supported(SimpleNamespace(data_parallel_sharding_strategy="optim_grads_params"), True)
+    fair._check_fsdp_supported(SimpleNamespace(data_parallel_sharding_strategy="optim_grads_params"))
+    # Megatron's own collectives under `none`: nothing to refuse.
+    MegatronHooks(resolve_policy(ZppConfig(policy="none")))._check_fsdp_supported(
+        SimpleNamespace(data_parallel_sharding_strategy="no_shard"))

@@ -29,6 +29,10 @@ def _check(result, grad_ratio=QGZ_FP32, param_ratio=QWZ_FP32, fair_grad_ratio=1 
     assert fair["finite"] and fair["dp_replicas_identical"], fair
     # Another summation order than Megatron's: equal losses up to fp32 rounding, not bit for bit.
     assert fair["losses"] == pytest.approx(result["absent"], rel=1e-4, abs=1e-4), (fair["losses"], result["absent"])
+    # The gradient norm before clipping sees any scaling error (mean vs sum, a missing 1/DP) that
+    # Adam and clipping would hide from the losses.
+    assert fair["grad_norms"] == pytest.approx(result["absent_grad_norms"], rel=1e-4), \
+        (fair["grad_norms"], result["absent_grad_norms"])
     fair_grad, none_grad = fair["traffic"]["dp.grad"], result["none_traffic"]["dp.grad"]
     assert fair_grad["inter_ratio"] == 1.0  # nothing compressed
     ratio = fair_grad["inter_bytes"] / none_grad["inter_bytes"]
@@ -194,6 +198,7 @@ def test_megatron_fsdp_zeropp_2x2(tmp_path):
     fair = r["fair"]
     # bf16 weights and gradients: another summation order moves losses by bf16 rounding, not more.
     assert fair["finite"] and fair["losses"] == pytest.approx(r["absent"], rel=1e-2), (fair["losses"], r["absent"])
+    assert fair["grad_norms"] == pytest.approx(r["absent_grad_norms"], rel=1e-2), (fair["grad_norms"], r["absent_grad_norms"])
     fair_rs = fair["traffic"]["dp.grad"]["inter_bytes"] / r["none_traffic"]["dp.grad"]["inter_bytes"]
     assert abs(fair_rs - 1 / 3) <= 0.02 / 3, fair_rs  # see FAIR_GRAD comment at the top
     assert fair["traffic"]["dp.param"]["inter_bytes"] == r["none_traffic"]["dp.param"]["inter_bytes"]  # same ring

@@ -19,6 +19,8 @@ process group), so the ``none`` policy trains bit-identically to Megatron withou
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 from typing import Callable
 
@@ -174,8 +176,11 @@ class MegatronHooks:
         self._install_fsdp()
         from megatron_zpp.megatron.model_parallel import ModelParallelHooks
 
+        # Kept before install(): install() rolls back its own patches on failure, and a later
+        # failure here finds it through uninstall().
         self._model_parallel = ModelParallelHooks(self.policy.codec("pp"), self.policy.codec("tp"),
-                                                  self.ranks_per_node).install()
+                                                  self.ranks_per_node)
+        self._model_parallel.install()
 
     def _install_fsdp(self) -> None:
         """Megatron-FSDP (ZeRO-3): its pipelines call torch.distributed directly, so the routing wraps
@@ -211,11 +216,15 @@ class MegatronHooks:
 
         def bucket_group_gradient_reduce(pipeline, bucket_group, *args, **kwargs):
             hooks.sync_iteration()
+            hooks._check_fsdp_supported(pipeline.buffer.ddp_config, kwargs.get("outer_fsdp_group_grad_reduce"))
             buffers = [pipeline.get_fsdp_buffer(b) for b in bucket_group]
-            with comm_timers().wait(), hooks._route_fsdp_reduce(buffers):
+            with comm_timers().wait(), hooks._route_fsdp_reduce(buffers, fsdp_buf):
                 return originals["_bucket_group_gradient_reduce"](pipeline, bucket_group, *args, **kwargs)
 
         def copy_main_weights_to_model_weights(buffer, *args, **kwargs):
+            # Reached by every sharding strategy after each optimizer step: the strategies whose
+            # reduction bypasses the routed pipeline are refused here at the latest.
+            hooks._check_fsdp_supported(buffer.ddp_config)
             result = originals["copy_main_weights_to_model_weights"](buffer, *args, **kwargs)
             hooks.invalidate_secondary()
             return result
@@ -234,8 +243,9 @@ class MegatronHooks:
         collectives) to ``comm_timers().wait_s``; behaviour unchanged. Restored by ``uninstall``."""
         for name in names:
             original = getattr(cls, name)
-            self._timed_methods.append((cls, name, original))
+            self._timed_methods.append((cls, name, inspect.getattr_static(cls, name)))
 
+            @functools.wraps(original)
             def timed(*args, _original=original, **kwargs):
                 with comm_timers().wait():
                     return _original(*args, **kwargs)
@@ -284,11 +294,40 @@ class MegatronHooks:
         finally:
             dist.all_gather_into_tensor = original
 
+    def _check_fsdp_supported(self, ddp_config, outer_group_reduce: bool = False) -> None:
+        """Refuse the Megatron-FSDP configurations whose gradient reduction is not routed here, rather
+        than run Megatron's collectives under a policy that promises ours."""
+        if self._megatron_runs(self.grad_codec):
+            return
+        strategy = getattr(ddp_config, "data_parallel_sharding_strategy", "optim_grads_params")
+        if strategy not in ("optim_grads", "optim_grads_params"):
+            raise NotImplementedError(
+                f"Megatron-FSDP data_parallel_sharding_strategy={strategy!r} reduces gradients outside the "
+                f"pipeline megatron_zpp routes; with policy {self.policy.name!r} use optim_grads or "
+                "optim_grads_params, or --zpp-dp-grad none with --zpp-dp-uncompressed megatron")
+        if outer_group_reduce:
+            raise NotImplementedError("Megatron-FSDP with an outer data-parallel group (hybrid FSDP, "
+                                      "num_distributed_optimizer_instances > 1) is not supported by policy "
+                                      f"{self.policy.name!r}; use 1 instance or --zpp-dp-grad none with "
+                                      "--zpp-dp-uncompressed megatron")
+
     @contextlib.contextmanager
-    def _route_fsdp_reduce(self, buffers):
+    def _route_fsdp_reduce(self, buffers, fsdp_buf=None):
         hooks = self
         original_rs, original_ar = dist.reduce_scatter_tensor, dist.all_reduce
         pending_buffers = list(buffers)  # Megatron-FSDP reduces the group's buckets in this order
+        ours = not self._megatron_runs(self.grad_codec)
+        original_pre = getattr(fsdp_buf, "gradient_reduce_preprocessing", None) if ours else None
+
+        def preprocessing(grad_data, scaling_factor, ddp_config):
+            # Megatron-FSDP fuses the 1/DP scaling into NCCL's PREMUL_SUM (gradient_reduce_div_fusion,
+            # its default, for non-bf16 gradients): our collectives reduce with SUM, so scale first,
+            # as Megatron's own unfused branch does. Same arithmetic, so fair stays comparable.
+            if (scaling_factor is not None and not ddp_config.average_in_collective
+                    and ddp_config.gradient_reduce_div_fusion and grad_data.dtype != torch.bfloat16):
+                grad_data.mul_(scaling_factor)
+                return dist.ReduceOp.SUM
+            return original_pre(grad_data, scaling_factor, ddp_config)
 
         def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
             if hooks._is_private(group):
@@ -310,10 +349,14 @@ class MegatronHooks:
             return hooks._all_reduce_grads(original_ar, tensor, op, group, async_op=sync)[0]
 
         dist.reduce_scatter_tensor, dist.all_reduce = reduce_scatter_tensor, all_reduce
+        if original_pre is not None:
+            fsdp_buf.gradient_reduce_preprocessing = preprocessing
         try:
             yield
         finally:
             dist.reduce_scatter_tensor, dist.all_reduce = original_rs, original_ar
+            if original_pre is not None:
+                fsdp_buf.gradient_reduce_preprocessing = original_pre
 
     def _reduce_scatter_grads(self, original, output, input, op, group, async_op):
         """``(result, handle)``: Megatron's own reduce-scatter, recorded; or ours (qgZ, or its
@@ -520,4 +563,5 @@ def _op_name(op) -> str:
         return "sum"
     if op == dist.ReduceOp.AVG:
         return "mean"
-    raise ValueError(f"Megatron asked for reduce op {op}; compressed gradient reduction supports SUM and AVG")
+    raise ValueError(f"Megatron asked for reduce op {op}; megatron_zpp's gradient reduction supports SUM and AVG "
+                     "(with Megatron-FSDP, PREMUL_SUM is replaced by scaling then SUM)")

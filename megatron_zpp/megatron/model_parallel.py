@@ -20,6 +20,7 @@ Traffic is recorded under the tags ``pp`` and ``tp``.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 
 import torch.distributed as dist
@@ -41,14 +42,19 @@ class ModelParallelHooks:
         self._topologies: dict[tuple[int, ...], Topology] = {}
 
     def _patch(self, owner, name: str, value) -> None:
-        self._restore.append((owner, name, getattr(owner, name)))
+        # The attribute as stored (a staticmethod stays a staticmethod), so uninstall restores it exactly.
+        self._restore.append((owner, name, inspect.getattr_static(owner, name)))
         setattr(owner, name, value)
 
     def install(self) -> ModelParallelHooks:
-        if self.pp is not None:
-            self._install_pp()
-        if self.tp_codec != "none":
-            self._install_tp()
+        try:
+            if self.pp is not None:
+                self._install_pp()
+            if self.tp_codec != "none":
+                self._install_tp()
+        except BaseException:
+            self.uninstall()  # whatever was patched before the failure
+            raise
         return self
 
     def uninstall(self) -> None:
@@ -60,12 +66,12 @@ class ModelParallelHooks:
     def _install_pp(self) -> None:
         from megatron.core.pipeline_parallel import p2p_communication as p2p
 
-        codec, me = self.pp, dist.get_rank()
-        rpn = self.ranks_per_node or dist.get_world_size()
+        codec, hooks = self.pp, self
         originals = {"_batched_p2p_ops": p2p._batched_p2p_ops, "_p2p_ops": p2p._p2p_ops}
 
         def encoded_call(name, *, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
                          group, prev_pipeline_rank, next_pipeline_rank):
+            me, rpn = dist.get_rank(), hooks.ranks_per_node or dist.get_world_size()  # at the call: installs before init
             sends = {}
             for key, t, peer in (("send_prev", tensor_send_prev, prev_pipeline_rank),
                                  ("send_next", tensor_send_next, next_pipeline_rank)):

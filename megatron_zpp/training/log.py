@@ -63,8 +63,10 @@ def dp_replicas_identical(models) -> bool | None:
 
 
 class IterationLogger:
-    def __init__(self, args, policy, log=print) -> None:
+    def __init__(self, args, policy, log=print, device: torch.device | str = "cpu") -> None:
         self.args, self.policy, self._log = args, policy, log
+        self.device = torch.device(device)  # where the model runs: decides whether host timers see its work
+        self.grad_norms: list[float] = []
         self.rank = dist.get_rank()
         self.times: list[float] = []
         self._last_stats: dict[str, TagStats] = {}
@@ -108,6 +110,7 @@ class IterationLogger:
     def iteration(self, iteration: int, loss: float, lr: float, grad_norm, seconds: float, update_ok: bool,
                   hpz_bytes: int = 0) -> None:
         self.times.append(seconds)
+        self.grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
         timers = comm_timers().snapshot()
         self.comm_seconds.append((timers[0] - self._last_timers[0], timers[1] - self._last_timers[1]))
         self._last_timers = timers
@@ -151,11 +154,12 @@ class IterationLogger:
         n = max(len(steady), 1)
         mine = torch.tensor([sum(t for t, _ in steady) / n, sum(c for _, (c, _) in steady) / n,
                              sum(w for _, (_, w) in steady) / n], dtype=torch.float64)
-        if dist.get_backend() == "nccl":
+        on_cuda = self.device.type == "cuda"
+        if on_cuda and "nccl" in str(dist.get_backend()):
             mine = mine.cuda()
         dist.all_reduce(mine)
         step, codec, wait = (mine.cpu() / dist.get_world_size()).tolist()
-        if dist.get_backend() == "nccl":
+        if on_cuda:
             # Host timers see launches and host blocking, not stream time: no breakdown on CUDA
             # (use a profiler there), rather than a wrong one.
             return {"step_s": step, "codec_s": None, "exposed_comm_s": None, "compute_s": None}
@@ -175,7 +179,7 @@ class IterationLogger:
         inter_base = sum(s.uncompressed_inter_bytes for s in stats.values())
         summary = {
             "iterations": len(losses), "first_loss": losses[0] if losses else float("nan"),
-            "final_loss": losses[-1] if losses else float("nan"), "losses": losses, "valid_loss": valid_loss,
+            "final_loss": losses[-1] if losses else float("nan"), "losses": losses, "grad_norms": self.grad_norms, "valid_loss": valid_loss,
             "tokens_per_s": a.global_batch_size * a.seq_length / mean_s, "seconds_per_iteration": mean_s,
             "traffic": {t: vars(s) | {"inter_ratio": s.inter_ratio} for t, s in stats.items()},
             "inter_bytes": inter, "inter_bytes_uncompressed": inter_base, "policy": self.policy.to_dict(),
@@ -217,7 +221,7 @@ class IterationLogger:
             self.log(f"> summary: all tags: cross-node {inter / MB:.2f} MB sent vs {inter_base / MB:.2f} MB the "
                      f"uncompressed collectives would have sent (x{inter / inter_base:.4f})")
         if self.wandb is not None:
-            self.wandb.summary.update({k: v for k, v in summary.items() if k != "losses"})
+            self.wandb.summary.update({k: v for k, v in summary.items() if k not in ("losses", "grad_norms")})
             # Flat per-iteration figures, so a sweep's table and metric read them without unnesting.
             n = max(len(losses), 1)
             self.wandb.summary.update({"inter_bytes_per_iteration": inter / n,

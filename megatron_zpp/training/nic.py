@@ -38,6 +38,18 @@ class NicDelta:
         return tcp_payload_bytes(self.tx_bytes, self.tx_packets)
 
 
+def _node_local_rank() -> int:
+    """This process's rank within its node: torchrun's LOCAL_RANK; otherwise the global rank modulo
+    LOCAL_WORLD_SIZE (or the whole world: one node) so exactly one process per node reads its NIC."""
+    if os.environ.get("LOCAL_RANK") is not None:
+        return int(os.environ["LOCAL_RANK"])
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if not per_node:
+        per_node = dist.get_world_size() if dist.is_initialized() else 1
+    return rank % per_node
+
+
 class NicWindow:
     """Reads the counters on local rank 0 of each node. Every rank takes part in ``stop()``'s
     gather whatever its environment, so a node without ``ZPP_NIC`` (or without the interface)
@@ -46,10 +58,7 @@ class NicWindow:
     def __init__(self, interface: str | None = None) -> None:
         self.interface = interface if interface is not None else os.environ.get("ZPP_NIC") or None
         self.problem: str | None = None
-        local_rank = os.environ.get("LOCAL_RANK")
-        if local_rank is None:  # not under torchrun: one reader only, or every rank would count the NIC
-            local_rank = "0" if os.environ.get("RANK", "0") == "0" else "1"
-        self.reader = self.interface is not None and local_rank == "0"
+        self.reader = self.interface is not None and _node_local_rank() == 0
         if self.reader and not (Path("/sys/class/net") / self.interface).exists():
             self.problem = (f"ZPP_NIC={self.interface!r}: no such network interface here; valid: "
                             + ", ".join(sorted(p.name for p in Path("/sys/class/net").iterdir())))
@@ -62,6 +71,9 @@ class NicWindow:
         return int((stats / "tx_bytes").read_text()), int((stats / "tx_packets").read_text())
 
     def start(self) -> None:
+        # Every rank reaches the same point first, so no rank's earlier traffic is still being
+        # sent when the counters are read (and none of the window's has started).
+        dist.barrier()
         if self.reader:
             self._start = self._read()
 
@@ -69,6 +81,7 @@ class NicWindow:
         """Bytes sent since ``start()``, summed over the nodes that measured; a collective on every
         rank. None when no node measured."""
         mine = None
+        dist.barrier()
         if self.reader and self._start is not None:
             now = self._read()
             mine = (self.interface, now[0] - self._start[0], now[1] - self._start[1])

@@ -209,7 +209,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
                                    start_sample=start_iteration * args.global_batch_size) for _ in models]
         batches = iterators[0] if single else iterators
         forward_backward = get_forward_backward_func()
-        logger = IterationLogger(args, policy, log=log)
+        logger = IterationLogger(args, policy, log=log, device=device)
         logger.start(train_data, world)
 
         losses = []
