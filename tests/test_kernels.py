@@ -457,7 +457,7 @@ def cpu_isa(request):
 
 
 @pytest.mark.parametrize("cpu_isa", CPU_ISAS, indirect=True)
-@pytest.mark.parametrize("bits,block", [(8, 256), (4, 128), (8, 24), (4, 40)])
+@pytest.mark.parametrize("bits,block", [(8, 256), (4, 128), (8, 24), (4, 40), (4, 512)])
 def test_every_cpu_level_matches_reference(cpu_isa, bits, block):
     """The portable build's loops for each instruction-set level (baseline, AVX2, AVX-512 on x86-64)
     give the reference's bits: all five ops, fp32/bf16/fp16, nearest and stochastic."""
@@ -485,6 +485,73 @@ def test_every_cpu_level_matches_reference(cpu_isa, bits, block):
                 assert torch.equal(got, want), (name, dtype, stochastic)
             else:
                 assert float_diff(got, want) == 0, (name, dtype, stochastic)
+
+
+def edge_sample(bits: int, block: int, dtype) -> torch.Tensor:
+    """One block per hard case of the 16-bit conversions (widening inputs, narrowing outputs), then a
+    partial block of 13 (not a multiple of any vector width): exact round-to-nearest-even ties when
+    decoded values are narrowed to bf16 and to fp16 (the block is k * s for k in [-qmax, qmax], so
+    scale == s and every decoded value is exactly k * s), fp16 overflow to Inf, fp16 and fp32/bf16
+    subnormals, values near the fp32 maximum (their sums overflow), and NaN / +-Inf."""
+    qmax = 127 if bits == 8 else 7
+    k = (torch.arange(block) % (2 * qmax + 1) - qmax).float()
+    g = torch.Generator().manual_seed(block)
+    blocks = [k * (1 + 2.0 ** -8),  # ties for bf16 (8 significant bits)
+              k * (1 + 2.0 ** -11),  # ties for fp16 (11 significant bits)
+              torch.randn(block, generator=g) * 7e4,  # beyond fp16's 65504
+              torch.randn(block, generator=g) * 3e-6,  # fp16 subnormals
+              torch.randn(block, generator=g) * 1e-39,  # fp32 / bf16 subnormals
+              torch.empty(block).uniform_(1.8e38, 3.3e38, generator=g),  # doubled, overflows fp32
+              torch.randn(block, generator=g),
+              torch.randn(block, generator=g), torch.randn(block, generator=g)]
+    blocks[6][5], blocks[7][-1], blocks[8][block // 2] = float("inf"), float("-inf"), float("nan")
+    tail = torch.randn(13, generator=g)
+    tail[-1] = float("nan")  # in the scalar remainder of the conversion loops
+    return torch.cat(blocks + [tail]).to(dtype)
+
+
+@pytest.mark.parametrize("cpu_isa", CPU_ISAS, indirect=True)
+@pytest.mark.parametrize("bits,block", [(8, 256), (4, 128), (4, 40)])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_16bit_conversion_edge_cases_match_reference(cpu_isa, bits, block, dtype):
+    """bf16/fp16 in and out of every op at every CPU level: same bits as the reference (torch's own
+    round-to-nearest-even casts), NaN stays NaN and Inf stays Inf (never zeros)."""
+    x = edge_sample(bits, block, dtype)
+    length, chunks = x.numel(), 2
+    rb = layout.row_bytes(length, bits, block)
+    outs = {}
+    for backend in ("kernel", "reference"):
+        q = torch.empty(1, rb, dtype=torch.uint8)
+        ops.quantize_rows_(x, q, bits, block, backend=backend)
+        pair = torch.empty(2, rb, dtype=torch.uint8)  # two rows (2 nodes x 1 rank: the order stays)
+        ops.reorder_quantize_(torch.cat([x, x]), pair, bits, block, 2, 1, 1, backend=backend)
+        decoded = []
+        for out_dtype in FLOAT_DTYPES:
+            y = torch.empty(length, dtype=out_dtype)
+            ops.dequantize_rows_(q, y, bits, block, backend=backend)
+            decoded.append(y)
+        mean = torch.empty(length, dtype=dtype)
+        ops.dequant_reduce_(pair.view(chunks, 1, -1), mean, bits, block, 3.0, backend=backend)
+        red = torch.empty(1, rb, dtype=torch.uint8)
+        ops.dequant_reduce_quantize_(pair.view(chunks, 1, -1), red, length, bits, block, bits, block,
+                                     backend=backend)
+        outs[backend] = [q, pair, red, mean] + decoded
+    for i, (got, want) in enumerate(zip(outs["kernel"], outs["reference"])):
+        if got.dtype == torch.uint8:
+            assert torch.equal(got, want), (i, packed_diff(got, want, length, block))
+        else:
+            assert float_diff(got, want) == 0, i
+            assert torch.equal(torch.isinf(got), torch.isinf(want)), i
+    # the sample does reach the cases it is for (else the comparison above proves little)
+    y32, ybf, y16 = outs["kernel"][4:]
+    low = y32[: 2 * block].view(torch.int32)
+    if dtype == torch.float32:  # decoded values exactly halfway between bf16 / fp16 neighbours
+        assert ((low & 0xFFFF) == 0x8000).any() and ((low & 0x1FFF) == 0x1000).any()
+    assert ((y16 != 0) & (y16.abs() < 6.1e-5)).any() and ((ybf != 0) & (ybf.abs() < 1.2e-38)).any() \
+        or dtype == torch.float16  # fp16 subnormals; bf16 ones (fp16 inputs flush 1e-39 to 0)
+    assert torch.isnan(outs["kernel"][3]).any()
+    if dtype != torch.float16:  # fp16 inputs cannot hold values past 65504
+        assert torch.isinf(y16).any() and torch.isinf(outs["kernel"][3]).any()
 
 
 def test_cpu_level_selection_errors():

@@ -202,6 +202,11 @@ void dequant_reduce_cpu(const at::Tensor& packed_in, const at::Tensor& out, int6
 }
 
 }  // namespace
+
+// The level in use, for the other kernel families (zfp_cpu.cpp), so ZPP_CPU_ISA and _set_cpu_isa
+// choose one level for every CPU kernel.
+std::string active_cpu_isa() { return cpu_isa(); }
+
 }  // namespace zpp
 
 TORCH_LIBRARY_IMPL(megatron_zpp, CPU, m) {

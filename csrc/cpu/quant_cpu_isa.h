@@ -46,6 +46,100 @@ inline c10::Half from_f32(float v) {
 }
 #endif
 
+// ---- 16-bit inputs: widened a block at a time, then the fp32 loops ----
+// Converting per element inside quantize_block converts every value twice
+// (absmax pass, quantize pass) and keeps the fp16 loops scalar (one F16C
+// instruction or c10 software call per value). Instead a bf16/fp16 input block
+// is widened once into an fp32 buffer and quantized by the same code as fp32
+// input; fp32 input is read in place (Widened<float> hands back the pointer,
+// no copy). Widening is exact (bf16 is the high half of an fp32; F16C and c10
+// convert fp16 exactly), so the bits are those of the per-element conversion.
+inline void widen(const c10::BFloat16* x, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) {  // vectorizes to shifts
+    const uint32_t b = static_cast<uint32_t>(x[i].x) << 16;
+    std::memcpy(out + i, &b, 4);
+  }
+}
+inline void widen(const c10::Half* x, int64_t n, float* out) {
+  int64_t i = 0;
+#if ZPP_CPU_ISA_F16C
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
+#endif
+  for (; i < n; ++i) out[i] = to_f32(x[i]);  // F16C: vcvtph2ps; baseline: c10's software conversion
+}
+
+// (Sized on first use, not from `block`: the fp32 instance then touches nothing
+// new, and its task lambda compiles as before.)
+template <typename T>
+struct Widened {  // bf16 / fp16: an fp32 buffer for one block, per task
+  std::vector<float> buf;
+  const float* operator()(const T* x, int64_t n) {
+    if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+    widen(x, n, buf.data());
+    return buf.data();
+  }
+};
+template <>
+struct Widened<float> {  // fp32: used in place
+  const float* operator()(const float* x, int64_t) { return x; }
+};
+
+#if ZPP_CPU_ISA_F16C
+// ---- fp16 outputs at the F16C levels: narrowed straight from registers ----
+// from_f32<c10::Half> is one scalar vcvtps2ph per value and keeps the decode
+// loop scalar. These compute eight values in a vector register and narrow them
+// with one vcvtps2ph, no fp32 staging buffer. Same bits: int -> float is exact,
+// _mm256_mul_ps / _mm256_div_ps are the IEEE fp32 mul / div of f32_mul /
+// f32_div (no FMA), and the immediate fixes round-to-nearest-even. bf16 outputs
+// keep the per-element from_f32 (c10's round-to-nearest-even), which the
+// compiler already vectorizes.
+constexpr int kHalfNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+inline void store_half8(c10::Half* y, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(y), _mm256_cvtps_ph(v, kHalfNearest));
+}
+
+// y[0..n) = decoded elements [e0, e0+n) of one block (e0 is a block start: even).
+inline void decode_to_half(const uint8_t* data, int64_t e0, int64_t n, int bits, float s, c10::Half* y) {
+  const __m256 sv = _mm256_set1_ps(s);
+  int64_t i = 0;
+  if (bits == 8) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(data) + e0;
+    for (; i + 8 <= n; i += 8) {
+      const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i)));
+      store_half8(y + i, _mm256_mul_ps(_mm256_cvtepi32_ps(v), sv));
+    }
+    for (; i < n; ++i) y[i] = from_f32<c10::Half>(f32_mul(static_cast<float>(q[i]), s));
+  } else {
+    const uint8_t* q = data + e0 / 2;
+    // Elements i..i+7 are the nibbles of one little-endian 32-bit word, element
+    // i+j at bits 4j..4j+3: shift each to the top of its lane, then shift back
+    // arithmetically (sign-extends as unpack_int4_lo/hi do).
+    const __m256i to_top = _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0);
+    for (; i + 8 <= n; i += 8) {
+      uint32_t w;
+      std::memcpy(&w, q + i / 2, 4);
+      const __m256i v = _mm256_srai_epi32(_mm256_sllv_epi32(_mm256_set1_epi32(static_cast<int>(w)), to_top), 28);
+      store_half8(y + i, _mm256_mul_ps(_mm256_cvtepi32_ps(v), sv));
+    }
+    for (; i + 2 <= n; i += 2) {
+      y[i] = from_f32<c10::Half>(f32_mul(static_cast<float>(unpack_int4_lo(q[i / 2])), s));
+      y[i + 1] = from_f32<c10::Half>(f32_mul(static_cast<float>(unpack_int4_hi(q[i / 2])), s));
+    }
+    if (i < n) y[i] = from_f32<c10::Half>(f32_mul(static_cast<float>(unpack_int4_lo(q[i / 2])), s));
+  }
+}
+
+// y[0..n) = acc[0..n) / divisor.
+inline void divide_to_half(const float* acc, int64_t n, float divisor, c10::Half* y) {
+  const __m256 dv = _mm256_set1_ps(divisor);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store_half8(y + i, _mm256_div_ps(_mm256_loadu_ps(acc + i), dv));
+  for (; i < n; ++i) y[i] = from_f32<c10::Half>(f32_div(acc[i], divisor));
+}
+#endif
+
 // Each parallel task gets at least this many elements: enough to amortize the
 // task start, small enough to balance blocks over two or more threads.
 constexpr int64_t kGrainElements = 1 << 15;
@@ -96,7 +190,11 @@ inline float block_absmax(const T* x, int64_t n, bool* nonfinite) {
 // kN > 0 fixes n at compile time (full blocks of common sizes): the loops then
 // have constant trip counts and no vector prologue/epilogue, which is worth ~10%
 // at block=256 where per-block overhead is a sizable share of the work.
-template <int64_t kN = 0, typename T>
+// kInt4Runs (16-bit inputs only, on their widened fp32 block): INT4 with
+// nearest rounding quantizes a run with the contiguous INT8 loop, then packs
+// byte pairs, instead of pairing x[2p], x[2p+1] (stride-2 loads need shuffles).
+// fp32 inputs keep the pair loop.
+template <int64_t kN = 0, bool kInt4Runs = false, typename T>
 inline void quantize_block(const T* __restrict__ x, int64_t n_runtime, int bits, bool stochastic, uint64_t seed,
                            uint64_t index0, float* scale_out, uint8_t* __restrict__ data) {
   const int64_t n = kN > 0 ? kN : n_runtime;
@@ -130,6 +228,23 @@ inline void quantize_block(const T* __restrict__ x, int64_t n_runtime, int bits,
           quantize_stochastic_unchecked(to_f32(x[2 * p + 1]), scale, fq, stochastic_uniform(seed, index0 + 2 * p + 1));
       data[p] = pack_int4(lo, hi);
     }
+  } else if constexpr (kInt4Runs) {
+    constexpr int64_t kRun = 256;
+    int8_t run[kRun];
+    for (int64_t r0 = 0; r0 < 2 * pairs; r0 += kRun) {
+      const int64_t len = std::min(kRun, 2 * pairs - r0);
+      for (int64_t i = 0; i < len; ++i)
+        run[i] = static_cast<int8_t>(quantize_nearest_unchecked(to_f32(x[r0 + i]), scale, fq));
+      for (int64_t p = 0; p < len / 2; ++p) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        uint16_t w;  // run[2p] in the low byte: pack_int4(run[2p], run[2p+1]) without a byte shuffle
+        std::memcpy(&w, run + 2 * p, 2);
+        data[r0 / 2 + p] = static_cast<uint8_t>((w & 0x0fu) | ((w >> 4) & 0xf0u));
+#else
+        data[r0 / 2 + p] = pack_int4(run[2 * p], run[2 * p + 1]);
+#endif
+      }
+    }
   } else {
     for (int64_t p = 0; p < pairs; ++p) {
       const int lo = quantize_nearest_unchecked(to_f32(x[2 * p]), scale, fq);
@@ -145,25 +260,26 @@ inline void quantize_block(const T* __restrict__ x, int64_t n_runtime, int bits,
   }
 }
 
-template <typename T>
+template <bool kInt4Runs = false, typename T>
 inline void quantize_block_dispatch(const T* x, int64_t n, int64_t block, int bits, bool stochastic, uint64_t seed,
                                     uint64_t index0, float* scale, uint8_t* data) {
   if (n == block) {
     switch (block) {
-      case 64: return quantize_block<64>(x, n, bits, stochastic, seed, index0, scale, data);
-      case 128: return quantize_block<128>(x, n, bits, stochastic, seed, index0, scale, data);
-      case 256: return quantize_block<256>(x, n, bits, stochastic, seed, index0, scale, data);
-      case 512: return quantize_block<512>(x, n, bits, stochastic, seed, index0, scale, data);
-      case 1024: return quantize_block<1024>(x, n, bits, stochastic, seed, index0, scale, data);
-      case 2048: return quantize_block<2048>(x, n, bits, stochastic, seed, index0, scale, data);
-      case 4096: return quantize_block<4096>(x, n, bits, stochastic, seed, index0, scale, data);
+      case 64: return quantize_block<64, kInt4Runs>(x, n, bits, stochastic, seed, index0, scale, data);
+      case 128: return quantize_block<128, kInt4Runs>(x, n, bits, stochastic, seed, index0, scale, data);
+      case 256: return quantize_block<256, kInt4Runs>(x, n, bits, stochastic, seed, index0, scale, data);
+      case 512: return quantize_block<512, kInt4Runs>(x, n, bits, stochastic, seed, index0, scale, data);
+      case 1024: return quantize_block<1024, kInt4Runs>(x, n, bits, stochastic, seed, index0, scale, data);
+      case 2048: return quantize_block<2048, kInt4Runs>(x, n, bits, stochastic, seed, index0, scale, data);
+      case 4096: return quantize_block<4096, kInt4Runs>(x, n, bits, stochastic, seed, index0, scale, data);
       default: break;
     }
   }
-  quantize_block(x, n, bits, stochastic, seed, index0, scale, data);
+  quantize_block<0, kInt4Runs>(x, n, bits, stochastic, seed, index0, scale, data);
 }
 
 // Quantize R rows of L elements of x into packed rows; row r goes to row_map(r).
+// bf16/fp16 blocks are widened to fp32 first (Widened); fp32 is read in place.
 template <typename T, typename RowMap>
 void quantize_rows_kernel(const T* x, uint8_t* packed, int64_t rows, int64_t length, int bits, int64_t block,
                           bool stochastic, uint64_t seed, RowMap row_map) {
@@ -172,6 +288,7 @@ void quantize_rows_kernel(const T* x, uint8_t* packed, int64_t rows, int64_t len
   const int64_t used = ceil_div(length * bits, 8);
   const int64_t padded = data_bytes(length, bits);
   at::parallel_for(0, rows * nb, grain_blocks(block), [&](int64_t b0, int64_t b1) {
+    Widened<T> wide;
     // Walk (row, block) incrementally: a 64-bit division per block costs as
     // much as quantizing a quarter of a 256-element block.
     int64_t r = b0 / nb, k = b0 % nb;
@@ -181,8 +298,9 @@ void quantize_rows_kernel(const T* x, uint8_t* packed, int64_t rows, int64_t len
       const int64_t e0 = k * block;
       const int64_t n = std::min(block, length - e0);
       float scale;
-      quantize_block_dispatch(x + r * length + e0, n, block, bits, stochastic, seed,
-                              static_cast<uint64_t>(r * length + e0), &scale, data + e0 * bits / 8);
+      quantize_block_dispatch<!std::is_same_v<T, float>>(wide(x + r * length + e0, n), n, block, bits, stochastic,
+                                                         seed, static_cast<uint64_t>(r * length + e0), &scale,
+                                                         data + e0 * bits / 8);
       store_scale(row, k, scale);
       if (k == nb - 1 && padded > used) std::memset(data + used, 0, padded - used);
       if (++k == nb) {
@@ -236,6 +354,12 @@ void dequantize_rows_kernel(const uint8_t* packed, T* out, int64_t rows, int64_t
       const int64_t e0 = k * block;
       const int64_t n = std::min(block, length - e0);
       T* y = out + r * length + e0;
+#if ZPP_CPU_ISA_F16C
+      if constexpr (std::is_same_v<T, c10::Half>) {
+        decode_to_half(data, e0, n, bits, s, y);
+        continue;
+      }
+#endif
       if (bits == 8) {
         const int8_t* q = reinterpret_cast<const int8_t*>(data) + e0;
         for (int64_t i = 0; i < n; ++i) y[i] = from_f32<T>(f32_mul(static_cast<float>(q[i]), s));
@@ -334,6 +458,12 @@ void dequant_reduce(const uint8_t* packed_in, void* out, CpuDtype dtype, int64_t
     reduce_chunks(packed_in, chunks, rows, rb, length, bits, block, block,
                   [&](int64_t k, int64_t, int64_t e0, int64_t n, const float* acc) {
                     T* dst = y + k * length + e0;
+#if ZPP_CPU_ISA_F16C
+                    if constexpr (std::is_same_v<T, c10::Half>) {
+                      divide_to_half(acc, n, divisor, dst);
+                      return;
+                    }
+#endif
                     for (int64_t i = 0; i < n; ++i) dst[i] = from_f32<T>(f32_div(acc[i], divisor));
                   });
   });
