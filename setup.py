@@ -26,13 +26,15 @@ def extensions():
         return [], {}
     from megatron_zpp.compression._extension import CPU_CFLAGS, NVCC_FLAGS
 
-    sources = ["csrc/ops_registration.cpp", "csrc/cpu/quant_cpu.cpp"]
+    sources = ["csrc/ops_registration.cpp", "csrc/cpu/quant_cpu.cpp", "csrc/cpu/mpc_cpu.cpp", "csrc/cpu/zfp_cpu.cpp"]
     include_dirs = [str(ROOT / "csrc" / "include")]
     want_cuda = os.environ.get("ZPP_BUILD_CUDA")
     if want_cuda == "1" or (want_cuda != "0" and cpp_extension.CUDA_HOME is not None):
         ext = cpp_extension.CUDAExtension(
             "megatron_zpp._C",
-            sources + ["csrc/cuda/quant_cuda_binding.cpp", "csrc/cuda/quant_kernels.cu"],
+            sources + ["csrc/cuda/quant_cuda_binding.cpp", "csrc/cuda/quant_kernels.cu",
+                       "csrc/cuda/mpc_cuda_binding.cpp", "csrc/cuda/mpc_kernels.cu",
+                       "csrc/cuda/zfp_cuda_binding.cpp", "csrc/cuda/zfp_kernels.cu"],
             include_dirs=include_dirs,
             extra_compile_args={"cxx": CPU_CFLAGS + ["-DZPP_WITH_CUDA"], "nvcc": NVCC_FLAGS},
             extra_link_args=["-fopenmp"],

@@ -151,7 +151,7 @@ def test_stochastic_is_reproducible_per_seed_and_differs_across_calls():
     "spec,needle",
     [
         ("int3:block=4", "unknown codec 'int3'"),
-        ("zfp:rate=8", "valid codecs: int4, int8, none"),
+        ("bogus:rate=8", "valid codecs: int4, int8, mpc, none, nvcomp, zfp, zstd"),
         ("int8:blk=256", "unknown parameter 'blk'"),
         ("int8:blk=256", "valid: block, rounding, seed"),
         ("int8:block=100", "block=100 is not valid"),

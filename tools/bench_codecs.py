@@ -14,6 +14,12 @@ cuda``. Ops (INT8 at block 256, INT4 at block 128, the codecs' defaults):
 
     python tools/bench_codecs.py [--sizes 1M,16M,64M] [--repeats 7] [--json out.json] [--cpu-isa LEVEL]
 
+ZFP (``--zfp SPEC``, repeatable, e.g. ``--zfp zfp:rate=8 --zfp zfp:rate=4,dims=1``): our
+kernels' encode and decode beside zfpy's compress_numpy / _decompress on the same fp32 data in
+the same run, as GB/s of fp32 values (numel * 4 / seconds) and the ratio ours / zfpy; the streams
+are checked equal first. zfpy runs on one thread, our CPU kernels on torch's threads. ``--ops
+none`` leaves out the quantization ops (``--zfp`` only).
+
 The CPU kernels are compiled for several instruction-set levels (on x86-64:
 x86-64, x86-64-v3, x86-64-v4) and use the best one the CPU has; ``--cpu-isa``
 measures another (``ZPP_CPU_ISA`` does the same for any program).
@@ -33,7 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_zpp.compression import layout, ops  # noqa: E402
+from megatron_zpp.compression import get_codec, layout, ops, zfp_reference  # noqa: E402
+from megatron_zpp.compression.zfp import zfp_decode_, zfp_encode_  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BLOCK = {8: 256, 4: 128}
@@ -87,6 +94,38 @@ def make_cases(numel: int, bits: int, dtype: torch.dtype, device: torch.device):
     ]
 
 
+ZFP_GOAL = 5.0  # issue [7]: our C++ ZFP >= 5x zfpy's throughput on this machine, same run
+
+
+def bench_zfp(spec: str, numel: int, repeats: int, ref_repeats: int, device: torch.device) -> dict:
+    """Our encode/decode vs zfpy's on the same fp32 data (GB/s of fp32 values, medians)."""
+    import numpy as np
+    import zfpy
+
+    codec = get_codec(spec)
+    dims, maxbits, rate = codec.dims, codec.maxbits, codec.rate
+    x = torch.randn(numel, device=device)
+    payload = torch.empty(codec.wire_bytes(numel), dtype=torch.uint8, device=device)
+    out = torch.empty_like(x)
+    array = zfp_reference.zfp_array(x.cpu().numpy(), dims)  # a view when numel fills whole rows / planes
+    stream = zfpy.compress_numpy(array, rate=rate, write_header=False)
+    zfp_encode_(x, payload, dims, maxbits)
+    if payload.cpu().numpy().tobytes() != stream:
+        raise SystemExit(f"{spec}: our stream differs from zfpy's at numel={numel}")
+    zout = np.empty_like(array)
+    ztype = zfpy.dtype_to_ztype(np.dtype(np.float32))
+    gb = numel * 4 / 1e9
+    enc = gb / median_seconds(lambda: zfp_encode_(x, payload, dims, maxbits), repeats, device)
+    dec = gb / median_seconds(lambda: zfp_decode_(payload, out, dims, maxbits), repeats, device)
+    zenc = gb / median_seconds(lambda: zfpy.compress_numpy(array, rate=rate, write_header=False), ref_repeats,
+                               torch.device("cpu"))
+    zdec = gb / median_seconds(lambda: zfpy._decompress(stream, ztype, array.shape, out=zout, rate=rate),
+                               ref_repeats, torch.device("cpu"))
+    return dict(op="zfp", spec=codec.spec, numel=numel, encode_gbps=enc, decode_gbps=dec, zfpy_encode_gbps=zenc,
+                zfpy_decode_gbps=zdec, x_zfpy_encode=enc / zenc, x_zfpy_decode=dec / zdec,
+                ratio=numel * 4 / payload.numel(), device=str(device), threads=torch.get_num_threads())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1M,16M,64M", help="element counts, comma-separated (K/M/G suffixes)")
@@ -99,6 +138,8 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--cpu-isa", default=None,
                     help="instruction-set level of the CPU kernels to measure (default: the best this CPU has)")
+    ap.add_argument("--zfp", action="append", default=[], metavar="SPEC",
+                    help="also measure this zfp codec beside zfpy (repeatable), e.g. zfp:rate=8")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
     args = ap.parse_args()
 
@@ -116,10 +157,11 @@ def main() -> int:
     print(f"# bench_codecs: torch {torch.__version__}, {device}, {threads} threads, {platform.processor() or platform.machine()}"
           + (f", CPU kernels for {isa} (available: {', '.join(torch.ops.megatron_zpp._cpu_isas())})" if isa else ""))
     header = f"{'op':<14}{'bits':>5}{'dtype':>6}{'numel':>7}{'GB/s':>8}{'ref GB/s':>10}{'memcpy':>8}{'x memcpy':>10}{'x ref':>8}"
-    print(header)
-    print("-" * len(header))
+    if args.ops != "none":
+        print(header)
+        print("-" * len(header))
     rows = []
-    for numel in sizes:
+    for numel in sizes if args.ops != "none" else []:
         src = torch.randn(numel, device=device)
         dst = torch.empty_like(src)
         memcpy = 2 * src.numel() * 4 / median_seconds(lambda: dst.copy_(src), max(args.repeats, 9), device) / 1e9
@@ -144,13 +186,41 @@ def main() -> int:
 
     # The issue's acceptance figures: quantize at the largest size, per dtype.
     largest = max(sizes)
-    print(f"\n# acceptance (quantize, {largest >> 20}M elements): INT8 >= 0.6x memcpy, INT4 >= 0.5x, both >= 2x reference")
-    for row in rows:
+    if args.ops != "none":
+        print(f"\n# acceptance (quantize, {largest >> 20}M elements): INT8 >= 0.6x memcpy, INT4 >= 0.5x, both >= 2x reference")
+    for row in rows:  # (none without the quantization ops)
         if row["op"] == "quantize" and row["numel"] == largest:
             goal = 0.6 if row["bits"] == 8 else 0.5
             ok = row["x_memcpy"] >= goal and not row["x_ref"] < 2  # NaN (reference skipped) passes
             print(f"  INT{row['bits']} {row['dtype']}: {row['x_memcpy']:.2f}x memcpy, {row['x_ref']:.1f}x reference "
                   f"-> {'meets' if ok else 'MISSES'} the goal")
+    if args.zfp:
+        if args.ref_repeats <= 0:
+            print("error: --zfp compares with zfpy and needs --ref-repeats >= 1", file=sys.stderr)
+            return 2
+        print(f"\n# zfp vs zfpy (fp32 GB/s; ours on {threads} threads, zfpy on 1; streams checked equal)")
+        zheader = (f"{'spec':<22}{'numel':>7}{'ratio':>7}{'enc':>8}{'zfpy':>8}{'x':>7}"
+                   f"{'dec':>8}{'zfpy':>8}{'x':>7}")
+        print(zheader)
+        print("-" * len(zheader))
+        zrows = []
+        for numel in sizes:
+            for spec in args.zfp:
+                r = bench_zfp(spec, numel, args.repeats, args.ref_repeats, device)
+                zrows.append(r)
+                size = f"{numel >> 20}M" if numel >= 1 << 20 else f"{numel >> 10}K"
+                print(f"{r['spec']:<22}{size:>7}{r['ratio']:>7.1f}{r['encode_gbps']:>8.3f}{r['zfpy_encode_gbps']:>8.3f}"
+                      f"{r['x_zfpy_encode']:>7.1f}{r['decode_gbps']:>8.3f}{r['zfpy_decode_gbps']:>8.3f}"
+                      f"{r['x_zfpy_decode']:>7.1f}", flush=True)
+        largest = max(sizes)
+        print(f"\n# acceptance (zfp, {largest >> 20}M elements): ours >= {ZFP_GOAL:g}x zfpy, encode and decode")
+        for r in zrows:
+            if r["numel"] == largest:
+                ok = min(r["x_zfpy_encode"], r["x_zfpy_decode"]) >= ZFP_GOAL
+                print(f"  {r['spec']}: encode {r['x_zfpy_encode']:.1f}x, decode {r['x_zfpy_decode']:.1f}x "
+                      f"-> {'meets' if ok else 'MISSES'} the goal")
+        rows += zrows
+
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
         print(f"# wrote {args.json}")

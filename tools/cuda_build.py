@@ -1,8 +1,9 @@
 """Compile-check the CUDA sources without a GPU (CI runs this).
 
-Compiles ``csrc/cuda/quant_kernels.cu`` with ``nvcc`` for every architecture in
-``CUDA_ARCHS`` (sm_80, sm_90) and the torch binding ``quant_cuda_binding.cpp``
-with the host compiler against torch's and CUDA's headers. Nothing is linked or
+Compiles the kernels ``csrc/cuda/*.cu`` (blocked quantization, MPC, ZFP) with ``nvcc``
+for every architecture in ``CUDA_ARCHS`` (sm_80, sm_90) and their torch bindings
+``csrc/cuda/*_binding.cpp`` with the host compiler against torch's and CUDA's
+headers. Nothing is linked or
 run. ``nvcc`` comes from the pip package ``nvidia-cuda-nvcc``, pinned in
 pyproject.toml's ``cuda-compile`` extra to torch's CUDA version (a newer cicc
 emits PTX that the older ptxas rejects).
@@ -25,6 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_zpp.compression._extension import CPU_CFLAGS, CUDA_ARCHS, NVCC_FLAGS  # noqa: E402
+
+KERNELS = ("quant_kernels", "mpc_kernels", "zfp_kernels")  # csrc/cuda/<name>.cu
+BINDINGS = ("quant_cuda_binding", "mpc_cuda_binding", "zfp_cuda_binding")  # csrc/cuda/<name>.cpp
 
 
 def cuda_root() -> Path:
@@ -61,14 +65,17 @@ def main() -> None:
     nvcc = root / "bin" / "nvcc"
     includes = [f"-I{ROOT / 'csrc' / 'include'}", f"-I{root / 'include'}"]
     subprocess.run([str(nvcc), "--version"], check=True)
-    t_kernels = run([str(nvcc), *NVCC_FLAGS, *includes, "-c", str(ROOT / "csrc/cuda/quant_kernels.cu"),
-                     "-o", str(out / "quant_kernels.o")])
+    t_kernels = t_binding = 0.0
+    for name in KERNELS:
+        t_kernels += run([str(nvcc), *NVCC_FLAGS, *includes, "-c", str(ROOT / "csrc/cuda" / f"{name}.cu"),
+                          "-o", str(out / f"{name}.o")])
     torch_includes = [f"-I{p}" for p in include_paths()]  # ATen/cuda headers live here too
-    t_binding = run(["g++", *CPU_CFLAGS, "-fPIC", "-DZPP_WITH_CUDA", *includes, *torch_includes,
-                     f"-I{sysconfig.get_paths()['include']}", "-c",
-                     str(ROOT / "csrc/cuda/quant_cuda_binding.cpp"), "-o", str(out / "quant_cuda_binding.o")])
+    for name in BINDINGS:
+        t_binding += run(["g++", *CPU_CFLAGS, "-fPIC", "-DZPP_WITH_CUDA", *includes, *torch_includes,
+                          f"-I{sysconfig.get_paths()['include']}", "-c", str(ROOT / "csrc/cuda" / f"{name}.cpp"),
+                          "-o", str(out / f"{name}.o")])
     archs = ", ".join(f"sm_{a}" for a in CUDA_ARCHS)
-    print(f"CUDA compile OK: kernels for {archs} in {t_kernels:.1f}s, torch binding in {t_binding:.1f}s -> {out}")
+    print(f"CUDA compile OK: kernels for {archs} in {t_kernels:.1f}s, torch bindings in {t_binding:.1f}s -> {out}")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ _loaded_from: str | None = None
 
 
 def cpu_sources() -> list[Path]:
-    return [_CSRC / "ops_registration.cpp", _CSRC / "cpu" / "quant_cpu.cpp"]
+    return [_CSRC / "ops_registration.cpp", _CSRC / "cpu" / "quant_cpu.cpp", _CSRC / "cpu" / "mpc_cpu.cpp",
+            _CSRC / "cpu" / "zfp_cpu.cpp"]
 
 
 def include_dirs() -> list[Path]:

@@ -1,7 +1,22 @@
-"""The codec interface: tensor <-> packed payload, with exact wire sizes.
+"""The codec interface: tensor <-> packed payload, with exact or bounded wire sizes.
 
 A codec never communicates and knows nothing of processes or Megatron; the
 compressed collectives in ``megatron_zpp.comm`` move its payloads.
+
+Two kinds of codec share the interface, told apart by ``Codec.fixed_size``:
+
+* **Fixed-size** (``fixed_size = True``: ``none``, ``int8``, ``int4``): the payload is exactly
+  ``wire_bytes(numel, dtype)`` bytes, a function of the shape alone, so a receiver posts a
+  buffer of that size and needs no size message.
+* **Variable-size** (``fixed_size = False``: the lossless ``mpc``, ``zstd``, ``nvcomp``): the
+  payload's length depends on the data. ``wire_bytes(numel, dtype)`` is then the *worst case*,
+  an upper bound valid for every input, so a receiver can preallocate a buffer that fits any
+  payload. The payload is a container (``container.py``, ``lossless.md``) whose header holds its
+  true length, ``payload_nbytes(packed)``. ``encode`` on CPU returns exactly that many bytes; on
+  a GPU it may return the whole worst-case buffer (finding the true length would cost a host
+  sync), the bytes past the true length being unspecified. ``decode`` accepts any buffer that
+  starts with a whole payload: trailing bytes are ignored, a short or corrupt one raises
+  ``container.PayloadError`` (a ``ValueError``) naming what is wrong.
 """
 
 from __future__ import annotations
@@ -17,8 +32,11 @@ class Packed:
     """An encoded tensor.
 
     ``payload`` is the flat ``uint8`` buffer that goes on the wire: exactly
-    ``codec.wire_bytes(numel, dtype)`` bytes. ``shape`` and ``dtype`` are *not*
-    sent: collectives agree on them out of band (every rank knows its buckets).
+    ``codec.wire_bytes(numel, dtype)`` bytes for a fixed-size codec; for a variable-size one at
+    most that many, of which the first ``codec.payload_nbytes(packed)`` are the payload (module
+    docstring). ``shape`` and ``dtype`` are *not* sent: collectives agree on them out of band
+    (every rank knows its buckets); variable-size payloads also carry them in their header, to
+    check them on decode.
     """
 
     payload: torch.Tensor
@@ -37,6 +55,9 @@ class Codec(abc.ABC):
     spec: str
     #: True when ``decode(encode(x))`` is bit-identical to ``x``.
     lossless: bool
+    #: True when every payload is exactly ``wire_bytes(numel, dtype)`` bytes; False when the length
+    #: depends on the data and ``wire_bytes`` is an upper bound (module docstring).
+    fixed_size: bool = True
 
     @abc.abstractmethod
     def encode(self, x: torch.Tensor) -> Packed:
@@ -48,7 +69,14 @@ class Codec(abc.ABC):
 
     @abc.abstractmethod
     def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
-        """Exact payload bytes for ``numel`` elements of ``dtype``."""
+        """Payload bytes for ``numel`` elements of ``dtype``: exact when ``fixed_size``, else the
+        worst case over all inputs (the size of a receive buffer that fits any payload)."""
+
+    def payload_nbytes(self, packed: Packed) -> int:
+        """The true length of ``packed``'s payload; ``<= wire_bytes``. Fixed-size codecs: the
+        buffer's length. Variable-size codecs read it from the container header (on a GPU, one
+        small device-to-host read)."""
+        return packed.payload.numel()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r})"

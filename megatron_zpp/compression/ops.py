@@ -67,15 +67,44 @@ def _unavailable_error(device: torch.device, backend: str) -> RuntimeError:
     return RuntimeError(f"megatron_zpp: no compiled kernels for {device} tensors{implicit}: {why}. To fix: {todo}.")
 
 
-def _impl(name: str, device: torch.device, backend: str):
-    """The implementation of op ``name`` for tensors on ``device`` (the dispatch decision)."""
+_HAS_KERNEL: set[tuple[str, str]] = set()  # positive answers only: the extension may load later
+
+
+def _has_kernel(name: str, device: torch.device) -> bool:
+    """Whether the loaded extension implements op ``name`` for ``device`` (an extension built before
+    the op existed does not)."""
+    if (name, device.type) in _HAS_KERNEL:
+        return True
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device.type)
+    try:
+        found = key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"megatron_zpp::{name}", key)
+    except Exception:
+        return False
+    if found:
+        _HAS_KERNEL.add((name, device.type))
+    return found
+
+
+def _impl(name: str, device: torch.device, backend: str, reference_module=reference):
+    """The implementation of op ``name`` for tensors on ``device`` (the dispatch decision).
+
+    ``reference_module`` holds the op's pure-PyTorch reference (``reference`` for the quantization
+    ops, ``mpc_reference`` for the lossless ones)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     device = torch.device(device)
     if backend == "reference":
-        return getattr(reference, name)
+        return getattr(reference_module, name)
     if kernels_available(device):
-        return getattr(torch.ops.megatron_zpp, name)
+        if _has_kernel(name, device):
+            return getattr(torch.ops.megatron_zpp, name)
+        stale = RuntimeError(f"megatron_zpp: the loaded kernels ({_extension.loaded_from()}) have no {name} op for "
+                             f"{device.type}: they were built from older sources. To fix: rebuild with "
+                             f"`{CUDA_BUILD_HINT if device.type == 'cuda' else CPU_BUILD_HINT}`.")
+        if backend == "kernel" or device.type == "cuda":
+            raise stale
+        warnings.warn(f"{stale} Using the pure-PyTorch reference (slow).", stacklevel=3)
+        return getattr(reference_module, name)
     if backend == "kernel" or device.type == "cuda":
         raise _unavailable_error(device, backend)
     todo = 'pass backend="reference" to choose the reference explicitly'
@@ -83,7 +112,7 @@ def _impl(name: str, device: torch.device, backend: str):
         todo = f"build the kernels with `{CPU_BUILD_HINT}` (needs a C++ compiler), or {todo}"
     warnings.warn(f"megatron_zpp: compiled kernels unavailable for {device.type} tensors, using the pure-PyTorch "
                   f"reference (slow): {_why_unavailable(device)}. To fix: {todo}.", stacklevel=3)
-    return getattr(reference, name)
+    return getattr(reference_module, name)
 
 
 def _seed64(seed: int) -> int:
