@@ -9,14 +9,24 @@ install with ``pip install --no-build-isolation -e .`` (the Makefile does).
 Package metadata and dependency pins live in pyproject.toml.
 """
 
+import importlib.util
 import os
-import sys
 from pathlib import Path
 
 from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
+
+
+def _build_flags():
+    """Loads ``megatron_zpp/compression/_extension.py`` by path: importing the package would import
+    its codecs and their dependencies (numpy, ...), which a fresh venv does not have yet when pip
+    asks this file for metadata."""
+    spec = importlib.util.spec_from_file_location(
+        "_zpp_build_flags", ROOT / "megatron_zpp" / "compression" / "_extension.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def extensions():
@@ -24,7 +34,8 @@ def extensions():
         from torch.utils import cpp_extension
     except ImportError:  # metadata-only invocations (e.g. an sdist without torch)
         return [], {}
-    from megatron_zpp.compression._extension import CPU_CFLAGS, NVCC_FLAGS
+    flags = _build_flags()
+    CPU_CFLAGS, NVCC_FLAGS = flags.CPU_CFLAGS, flags.NVCC_FLAGS
 
     sources = ["csrc/ops_registration.cpp", "csrc/cpu/quant_cpu.cpp", "csrc/cpu/mpc_cpu.cpp", "csrc/cpu/zfp_cpu.cpp"]
     include_dirs = [str(ROOT / "csrc" / "include")]
