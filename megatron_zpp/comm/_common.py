@@ -17,17 +17,22 @@ from megatron_zpp.comm.stats import comm_timers
 from megatron_zpp.comm.topology import Topology
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-VALID_COMM_CODECS = "none, int8[:block=..,rounding=..], int4[:block=..,rounding=..]"
 
 
 @dataclass(frozen=True)
 class WireFormat:
-    """A codec as a collective needs it: ``bits is None`` means the tensor's own bytes."""
+    """A codec as a collective needs it.
+
+    ``bits is None`` and not ``generic``: the tensor's own bytes (codec ``none``). ``bits`` set: a
+    blockwise INT8/INT4 codec, run by the fused kernels. ``generic``: any other codec (ZFP,
+    lossless), run through the codec interface by ``any_codec.py``.
+    """
 
     codec: Codec
     bits: int | None
     block: int
     stochastic: bool
+    generic: bool = False
     calls: dict = field(default_factory=dict, compare=False, repr=False)  # call site -> calls so far
 
     @property
@@ -36,6 +41,10 @@ class WireFormat:
 
     @property
     def compressed(self) -> bool:
+        return self.bits is not None or self.generic
+
+    @property
+    def blockwise(self) -> bool:
         return self.bits is not None
 
     def seed(self, group_rank: int, site: str) -> int:
@@ -106,7 +115,7 @@ def wire_format(topology: Topology, codec: str | Codec | None, what: str) -> Wir
     elif isinstance(c, BlockwiseQuantCodec):
         fmt = WireFormat(c, c.bits, c.block, c.stochastic)
     else:
-        raise ValueError(f"{what}: codec {c.spec!r} cannot be used here; valid: {VALID_COMM_CODECS}")
+        fmt = WireFormat(c, None, 0, False, generic=True)
     cache[key] = fmt
     return fmt
 

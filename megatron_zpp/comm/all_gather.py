@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from megatron_zpp.compression import Codec, layout
+from megatron_zpp.comm import any_codec
 from megatron_zpp.comm._common import (CommHandle, WireFormat, agree, check_float, check_pair, codec_ops, wait,
                                       wire_format)
 from megatron_zpp.comm.execution import comm_stream, launch
@@ -55,6 +56,10 @@ class HpzShard:
                  codec: str | Codec | None = "int8:block=256", device: torch.device | str = "cpu") -> None:
         self.topology = topology
         self.format = wire_format(topology, codec, "HpzShard")
+        if self.format.generic:
+            # The secondary copy keeps the forward gather's packed rows, one fixed-size row per shard.
+            raise ValueError(f"HpzShard: codec {self.format.spec!r} cannot back an hpZ secondary partition; "
+                             "valid: none, int8, int4 (or hpz_size 1 to turn hpZ off)")
         if self.format.compressed:
             check_float("weights", torch.empty(0, dtype=dtype), "HpzShard")
         self.shard_numel = shard_numel
@@ -87,7 +92,8 @@ def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, topology: To
         output: ``size * input.numel()`` elements, same dtype and device as ``input``.
         input: this rank's shard (fp32 / bf16 / fp16; any dtype with ``codec="none"``).
         topology: the group and its node layout.
-        codec: ``"int8:block=256"`` (qwZ), ``"int4:..."`` or ``"none"`` (plain all-gather, bit-exact).
+        codec: ``"int8:block=256"`` (qwZ), ``"int4:..."``, ``"none"`` (plain all-gather, bit-exact), or
+            any other codec (ZFP, lossless: ``any_codec.py``; not with ``hpz_shard``).
         async_op: return a :class:`CommHandle` whose ``wait()`` decodes into ``output``.
         tag: byte-accounting tag.
         hpz_shard: if given, also keep this rank's hpZ secondary rows (see :class:`HpzShard`).
@@ -111,6 +117,15 @@ def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, topology: To
                          f"with codec {hpz_shard.format.spec!r} on another topology or shape; this call gathers "
                          f"{input.numel()} {input.dtype} with {fmt.spec!r}")
     agree(topology, what, codec=fmt.spec, dtype=str(input.dtype))
+
+    if fmt.generic:  # ZFP / lossless: whole payloads through the codec interface (any_codec.py)
+        if input.numel() == 0:
+            return CommHandle(lambda: None) if async_op else None
+        groups = topology._groups
+        stream = comm_stream(input.device, "gather", groups.streams)
+        scratch = groups.buffers.lease(input.device)
+        return launch(groups.in_flight, stream, (input, output),
+                      lambda: any_codec.all_gather(output, input, topology, fmt, scratch, tag), async_op)
 
     flat = topology._groups.flat
     rb = _row_bytes(fmt, input.numel(), input.dtype)

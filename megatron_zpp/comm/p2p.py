@@ -1,53 +1,76 @@
 """Compressed point-to-point sends (pipeline-parallel activations and gradients).
 
-A fixed-rate codec's payload size follows from the tensor's shape, which both pipeline
-stages know, so no size message is needed: the sender encodes into a payload, the receiver
-posts a receive of ``payload_bytes(shape)`` bytes and decodes into its tensor when the
-request is waited on.
+A fixed-size codec's payload size follows from the tensor's shape, which both pipeline stages
+know, so no size message is needed: the sender encodes into a payload, the receiver posts a
+receive of ``payload_bytes(numel)`` bytes and decodes into its tensor when the request is waited
+on. A variable-size (lossless) codec sends its true length first: the hook exchanges one int64
+per direction, waits for it (a host sync on a GPU, one per p2p call), then posts the payloads
+(``megatron/model_parallel.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from megatron_zpp.compression import get_codec, layout
+from megatron_zpp.compression import Packed, get_codec, layout
 from megatron_zpp.compression.blockwise import BlockwiseQuantCodec
-from megatron_zpp.comm._common import FLOAT_DTYPES, VALID_COMM_CODECS, codec_ops, next_site_seed
-from megatron_zpp.comm.stats import comm_stats
+from megatron_zpp.comm._common import FLOAT_DTYPES, codec_ops, next_site_seed
+from megatron_zpp.comm.stats import comm_stats, comm_timers
+
+SIZE_MESSAGE_BYTES = 8  # the int64 a variable-size payload's length travels in
 
 
 class P2PCodec:
-    """Encode / decode one tensor for a send (blockwise INT8/INT4, one row)."""
+    """Encode / decode one tensor for a send: blockwise INT8/INT4 with the fused row kernels, any other
+    codec (ZFP, lossless) through the codec interface."""
 
     def __init__(self, spec: str) -> None:
         codec = get_codec(spec)
-        if not isinstance(codec, BlockwiseQuantCodec):
-            raise ValueError(f"pipeline p2p codec {spec!r} is not supported; valid: {VALID_COMM_CODECS}")
-        self.codec, self.bits, self.block = codec, codec.bits, codec.block
+        if codec.spec == "none":
+            raise ValueError("P2PCodec: codec 'none' needs no codec; leave Megatron's p2p as it is")
+        self.codec = codec
+        self.blockwise = isinstance(codec, BlockwiseQuantCodec)
+        self.fixed_size = codec.fixed_size
         self._calls: dict = {}  # call site -> sends so far in this rounding epoch
 
     def payload_bytes(self, numel: int) -> int:
-        return layout.row_bytes(numel, self.bits, self.block)
+        """The payload's size (fixed-size codecs), or its upper bound (variable-size)."""
+        if self.blockwise:
+            return layout.row_bytes(numel, self.codec.bits, self.codec.block)
+        return self.codec.wire_bytes(numel)
 
     def encode(self, t: torch.Tensor, site: str = "p2p", rank: int = 0) -> torch.Tensor:
-        """``site`` names the call site (e.g. ``"pp.send_next"``): each has its own reproducible
-        stochastic-rounding seed stream."""
+        """``t`` as a flat uint8 payload of exactly its bytes. ``site`` names the call site (e.g.
+        ``"pp.send_next"``): each has its own reproducible stochastic-rounding seed stream."""
         if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"pipeline p2p compression takes {FLOAT_DTYPES}, got {t.dtype}")
+        x = t.detach().contiguous()
+        if not self.blockwise:
+            with comm_timers().codec():
+                packed = self.codec.encode(x)
+                payload = packed.payload.view(-1)
+                return payload if self.fixed_size else payload[:self.codec.payload_nbytes(packed)]
         payload = torch.empty(1, self.payload_bytes(t.numel()), dtype=torch.uint8, device=t.device)
         seed = 0
         if self.codec.stochastic:
             seed = next_site_seed(self._calls, self.codec.seed, site, rank)
-        codec_ops.quantize_rows_(t.detach().contiguous().view(-1), payload, self.bits, self.block,
-                           self.codec.stochastic, seed)
+        codec_ops.quantize_rows_(x.view(-1), payload, self.codec.bits, self.codec.block, self.codec.stochastic,
+                                 seed)
         return payload.view(-1)
 
-    def empty_payload(self, like: torch.Tensor) -> torch.Tensor:
-        return torch.empty(self.payload_bytes(like.numel()), dtype=torch.uint8, device=like.device)
+    def empty_payload(self, like: torch.Tensor, nbytes: int | None = None) -> torch.Tensor:
+        """A receive buffer for a payload encoding ``like``; ``nbytes``: the announced size (variable-size)."""
+        n = self.payload_bytes(like.numel()) if nbytes is None else nbytes
+        return torch.empty(n, dtype=torch.uint8, device=like.device)
 
     def decode_into(self, payload: torch.Tensor, out: torch.Tensor) -> None:
         # .data: Megatron's receive buffers require grad; the decode is not part of the graph.
-        codec_ops.dequantize_rows_(payload.view(1, -1), out.data.view(-1), self.bits, self.block)
+        if self.blockwise:
+            codec_ops.dequantize_rows_(payload.view(1, -1), out.data.view(-1), self.codec.bits, self.codec.block)
+            return
+        with comm_timers().codec():
+            decoded = self.codec.decode(Packed(payload=payload, shape=out.shape, dtype=out.dtype))
+            out.data.copy_(decoded)
 
 
 def record_p2p(tag: str, peer: int, me: int, ranks_per_node: int, payload_bytes: int, raw_bytes: int) -> None:

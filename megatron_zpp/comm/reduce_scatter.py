@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_zpp.compression import Codec, layout
+from megatron_zpp.comm import any_codec
 from megatron_zpp.comm._common import (
     CommHandle, WireFormat, agree, check_float, check_pair, codec_ops, reduce_divisor, wait, wire_format)
 from megatron_zpp.comm.execution import comm_stream, launch
@@ -86,13 +87,25 @@ def qgz_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topo
     intra_fmt = wire_format(topology, intra_codec, what) if intra_codec is not None else inter_fmt
     if inter_fmt.compressed != intra_fmt.compressed:
         raise ValueError(f"{what}: codec={inter_fmt.spec!r} and intra_codec={intra_fmt.spec!r} must both be "
-                         "'none' or both be quantizing codecs")
+                         "'none' or both be compressing codecs")
     if inter_fmt.compressed:
         check_float("input", input, what)
     agree(topology, what, codec=inter_fmt.spec, intra_codec=intra_fmt.spec, stages=stages,
           dtype=str(input.dtype), divisor=divisor)
     if length == 0:
         return CommHandle(lambda: None) if async_op else None
+
+    groups = topology._groups
+    if inter_fmt.generic or intra_fmt.generic:
+        # ZFP / lossless: whole payloads through the codec interface (any_codec.py), one stage.
+        if stages != 1:
+            raise ValueError(f"{what}: stages={stages} needs blockwise codecs (int8/int4); "
+                             f"codec={inter_fmt.spec!r}, intra_codec={intra_fmt.spec!r} run one stage")
+        stream = comm_stream(input.device, "reduce", groups.streams)
+        scratch = groups.buffers.lease(input.device)
+        return launch(groups.in_flight, stream, (input, output),
+                      lambda: any_codec.reduce_scatter(output, input, topology, intra_fmt, inter_fmt, divisor,
+                                                       scratch, tag), async_op)
 
     stages = min(stages, length)  # never a slice of zero elements
     slice_len = layout.ceil_div(length, stages)
@@ -106,7 +119,6 @@ def qgz_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topo
     comm_stats().record(tag, *_hop_bytes(topology, stages, *rows),
                         uncompressed=_hop_bytes(topology, stages, raw_row, raw_row))
     run = _compressed if inter_fmt.compressed else _uncompressed
-    groups = topology._groups
     stream = comm_stream(input.device, "reduce", groups.streams)
     scratch = groups.buffers.lease(input.device)
     site = f"{tag}/qgz"

@@ -23,10 +23,11 @@ import contextlib
 import inspect
 import os
 
+import torch
 import torch.distributed as dist
 
 from megatron_zpp.comm import Topology, compressed_all_reduce, qgz_reduce_scatter, quantized_all_gather
-from megatron_zpp.comm.p2p import DecodingRequest, P2PCodec, record_p2p
+from megatron_zpp.comm.p2p import SIZE_MESSAGE_BYTES, DecodingRequest, P2PCodec, record_p2p
 
 PP_TAG, TP_TAG = "pp", "tp"
 
@@ -77,9 +78,15 @@ class ModelParallelHooks:
                                  ("send_next", tensor_send_next, next_pipeline_rank)):
                 if t is not None:
                     sends[key] = codec.encode(t, site=f"{PP_TAG}.{key}", rank=me)
-                    record_p2p(PP_TAG, peer, me, rpn, sends[key].numel(), t.numel() * t.element_size())
-            recvs = {key: codec.empty_payload(t) for key, t in (("recv_prev", tensor_recv_prev),
-                                                                  ("recv_next", tensor_recv_next)) if t is not None}
+                    size_message = 0 if codec.fixed_size else SIZE_MESSAGE_BYTES
+                    record_p2p(PP_TAG, peer, me, rpn, sends[key].numel() + size_message,
+                               t.numel() * t.element_size())
+            recv_like = {key: t for key, t in (("recv_prev", tensor_recv_prev), ("recv_next", tensor_recv_next))
+                         if t is not None}
+            sizes = {} if codec.fixed_size else exchange_sizes(
+                originals[name], sends, recv_like, group=group, prev_pipeline_rank=prev_pipeline_rank,
+                next_pipeline_rank=next_pipeline_rank)
+            recvs = {key: codec.empty_payload(t, sizes.get(key)) for key, t in recv_like.items()}
             reqs = originals[name](
                 tensor_send_prev=sends.get("send_prev"), tensor_recv_prev=recvs.get("recv_prev"),
                 tensor_send_next=sends.get("send_next"), tensor_recv_next=recvs.get("recv_next"),
@@ -90,6 +97,22 @@ class ModelParallelHooks:
                                              keep=sends.get(key)) for key, req in reqs.items()}
             decodes = [(codec, recvs[key], outs[key]) for key in recvs]
             return [DecodingRequest(reqs, decodes, keep=sends)] if reqs else []
+
+        def exchange_sizes(p2p_ops, sends, recv_like, **where) -> dict[str, int]:
+            """Variable-size payloads: send each payload's length (one int64) the way the payload will
+            go, wait, and return the lengths to receive (a host sync on a GPU, one per p2p call)."""
+            def message(n=0, like=None):
+                device = like.device if like is not None else next(iter(sends.values())).device
+                return torch.tensor([n], dtype=torch.int64, device=device)
+
+            size_sends = {key: message(p.numel(), p) for key, p in sends.items()}
+            size_recvs = {key: message(like=t) for key, t in recv_like.items()}
+            reqs = p2p_ops(tensor_send_prev=size_sends.get("send_prev"), tensor_recv_prev=size_recvs.get("recv_prev"),
+                           tensor_send_next=size_sends.get("send_next"), tensor_recv_next=size_recvs.get("recv_next"),
+                           **where)
+            for req in (reqs.values() if isinstance(reqs, dict) else reqs):
+                req.wait()
+            return {key: int(t.item()) for key, t in size_recvs.items()}
 
         def batched(**kwargs):
             return encoded_call("_batched_p2p_ops", **kwargs)

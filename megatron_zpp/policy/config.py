@@ -12,16 +12,21 @@ class ZppConfig:
     policy file. The per-dimension flags below override its entries."""
     dp_grad: str | None = None
     """Codec of data-parallel gradient reduction (qgZ reduce-scatter with the distributed optimizer, a
-    compressed all-reduce without), e.g. int4:block=128; none for uncompressed."""
+    compressed all-reduce without), e.g. int4:block=128 (fused kernels), zfp:rate=8, mpc; none for
+    uncompressed."""
     dp_grad_intra: str | None = None
     """Codec of qgZ's intra-node hop when it differs from --zpp-dp-grad (e.g. int8:block=256 inside the
     node, INT4 across)."""
     dp_param: str | None = None
-    """Codec of the ZeRO parameter all-gather (qwZ), e.g. int8:block=256."""
+    """Codec of the ZeRO parameter all-gather (qwZ), e.g. int8:block=256; any codec without hpZ (hpZ
+    needs none, int8 or int4)."""
     tp: str | None = None
-    """Codec of tensor-parallel activation collectives (issue [4]; only none for now)."""
+    """Codec of tensor-parallel activation collectives (all-gather, reduce-scatter, all-reduce): any codec,
+    e.g. mpc or zstd (lossless, bit-exact), zfp:rate=16 (lossy, high rate), int8:block=256; none leaves
+    Megatron's collectives in place."""
     pp: str | None = None
-    """Codec of pipeline-parallel p2p activations and gradients (issue [4]; only none for now)."""
+    """Codec of pipeline-parallel p2p activations and gradients: any codec, e.g. mpc (lossless; its
+    length is sent first), zfp:rate=16, int8:block=256; none leaves Megatron's p2p in place."""
     hpz_size: int | None = None
     """hpZ secondary partition size in ranks (ZeRO-3 / Megatron-FSDP only); 1 disables; default: the
     policy's (zeropp: the whole node)."""

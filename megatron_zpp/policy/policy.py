@@ -33,8 +33,9 @@ PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "policies"
 ZEROPP_WEIGHTS, ZEROPP_GRADS = "int8:block=256", "int4:block=128"
 _YAML_KEYS = ("codecs", "dp_grad_intra", "hpz_size", "qgz_stages", "dp_grad_until", "dp_uncompressed", "description",
               "zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size")
-# Codecs a data-parallel collective can run (the comm layer moves fixed-rate blockwise payloads).
-DP_CODECS = ("none", "int8", "int4")
+# Codecs with fused kernels: the only ones hpZ's secondary partition and qgZ's pipelined stages take
+# (any registered codec runs on every dimension otherwise: comm/any_codec.py).
+BLOCKWISE_CODECS = ("none", "int8", "int4")
 # Who runs an uncompressed data-parallel collective (see ZppConfig.dp_uncompressed).
 DP_UNCOMPRESSED = ("megatron", "hierarchical")
 
@@ -104,6 +105,10 @@ def _canonical(spec, where: str, allowed: tuple[str, ...] | None = None) -> str:
     return codec.spec
 
 
+def _family(spec: str) -> str:
+    return spec.split(":")[0]
+
+
 def resolve_policy(config: ZppConfig) -> Policy:
     """Preset/YAML, then aliases, then command-line overrides; every spec validated."""
     name, data = _load_yaml(config.policy)
@@ -120,15 +125,14 @@ def resolve_policy(config: ZppConfig) -> Policy:
     for dim, spec in overrides.items():
         if spec is not None:
             codecs_raw[dim] = spec
-    codecs = {dim: _canonical(codecs_raw.get(dim), f"policy {name!r} {dim}",
-                              DP_CODECS if dim.startswith("dp.") else None) for dim in DIMENSIONS}
+    codecs = {dim: _canonical(codecs_raw.get(dim), f"policy {name!r} {dim}") for dim in DIMENSIONS}
     intra = config.dp_grad_intra if config.dp_grad_intra is not None else data.get("dp_grad_intra")
     intra = None if intra in (None, "none") and codecs["dp.grad"] == "none" else intra
     if intra is not None:
-        intra = _canonical(intra, f"policy {name!r} dp_grad_intra", DP_CODECS)
+        intra = _canonical(intra, f"policy {name!r} dp_grad_intra")
         if (intra == "none") != (codecs["dp.grad"] == "none"):
             raise ValueError(f"policy {name!r}: dp_grad_intra={intra!r} and dp.grad={codecs['dp.grad']!r} must "
-                             "both be none or both quantizing")
+                             "both be none or both compressing")
     if config.hpz_size is not None:
         hpz = config.hpz_size
     if hpz == "node":
@@ -138,6 +142,13 @@ def resolve_policy(config: ZppConfig) -> Policy:
     stages = config.qgz_stages if config.qgz_stages is not None else data.get("qgz_stages", 1)
     if not isinstance(stages, int) or stages < 1:
         raise ValueError(f"policy {name!r}: qgz_stages={stages!r} must be a positive integer")
+    if hpz != 1 and _family(codecs["dp.param"]) not in BLOCKWISE_CODECS:
+        raise ValueError(f"policy {name!r}: hpz_size={'node' if hpz is None else hpz} keeps the weight gather's "
+                         f"packed rows, which needs dp.param in {', '.join(BLOCKWISE_CODECS)}; dp.param is "
+                         f"{codecs['dp.param']!r} (set --zpp-hpz-size 1 to turn hpZ off)")
+    if stages != 1 and any(_family(c) not in BLOCKWISE_CODECS for c in (codecs["dp.grad"], intra) if c):
+        raise ValueError(f"policy {name!r}: qgz_stages={stages} needs dp.grad codecs in "
+                         f"{', '.join(BLOCKWISE_CODECS)}; dp.grad is {codecs['dp.grad']!r}, dp_grad_intra {intra!r}")
     until = config.dp_grad_until if config.dp_grad_until is not None else data.get("dp_grad_until", 1.0)
     if not isinstance(until, (int, float)) or not 0 < until <= 1:
         raise ValueError(f"policy {name!r}: dp_grad_until={until!r} must be in (0, 1]")
