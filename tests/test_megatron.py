@@ -113,7 +113,16 @@ def test_presets_and_deepspeed_aliases(tmp_path):
     with pytest.raises(ValueError, match="dp_uncompressed='ring'; valid: megatron, hierarchical"):
         resolve_policy(ZppConfig(policy="none", dp_uncompressed="ring"))
     hybrid = resolve_policy(ZppConfig(policy="hybrid"))
-    assert hybrid.dp_grad_intra.startswith("int8") and hybrid.codec("tp") == "none"
+    assert hybrid.dp_grad_intra.startswith("int8") and hybrid.codec("dp.grad").startswith("int4")
+    assert hybrid.codec("tp").startswith("mpc") and hybrid.codec("pp").startswith("mpc")
+    mz = resolve_policy(ZppConfig(policy="mzhybrid"))
+    assert mz.codec("dp.grad").startswith("zfp:rate=8") and all(mz.codec(d).startswith("mpc")
+                                                                for d in ("dp.param", "tp", "pp"))
+    z = resolve_policy(ZppConfig(policy="zhybrid"))
+    assert z.codec("dp.grad").startswith("zfp:rate=8") and all(z.codec(d).startswith("zfp:rate=16")
+                                                               for d in ("dp.param", "tp", "pp"))
+    for preset in ("mzhybrid", "zhybrid", "hybrid"):  # each says where it comes from
+        assert resolve_policy(ZppConfig(policy=preset)).description.strip()
     f = tmp_path / "ds.yaml"
     f.write_text("zero_quantized_weights: true\nzero_quantized_gradients: true\nzero_hpz_partition_size: 4\n")
     ds = resolve_policy(ZppConfig(policy=str(f), dp_grad="int4:block=64"))
@@ -123,6 +132,19 @@ def test_presets_and_deepspeed_aliases(tmp_path):
     bad.write_text("codecs: {dp.gradient: int4}\n")
     with pytest.raises(ValueError, match="unknown dimension.*dp.gradient.*valid: dp.grad"):
         resolve_policy(ZppConfig(policy=str(bad)))
+
+
+def test_any_codec_on_any_dimension_and_what_needs_blockwise():
+    p = resolve_policy(ZppConfig(policy="none", dp_grad="zfp:rate=8", dp_param="zstd", tp="zfp:rate=16", pp="mpc"))
+    assert p.codec("dp.param").startswith("zstd") and p.codec("pp").startswith("mpc")
+    with pytest.raises(ValueError, match="hpz_size=node.*dp.param.*none, int8, int4.*'mpc:dim=1'.*--zpp-hpz-size 1"):
+        resolve_policy(ZppConfig(policy="zeropp", dp_param="mpc"))
+    with pytest.raises(ValueError, match="qgz_stages=2 needs dp.grad codecs in none, int8, int4.*zfp:rate=8"):
+        resolve_policy(ZppConfig(policy="zeropp", dp_grad="zfp:rate=8", hpz_size=1, qgz_stages=2))
+    with pytest.raises(ValueError, match="unknown codec 'zfp8'.*valid codecs"):
+        resolve_policy(ZppConfig(policy="mzhybrid", tp="zfp8"))
+    with pytest.raises(ValueError, match="rate"):
+        resolve_policy(ZppConfig(policy="zhybrid", pp="zfp:rate=0"))
 
 
 def test_zpp_flags_are_generated_from_the_config():
