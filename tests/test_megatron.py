@@ -266,6 +266,34 @@ def test_pipeline_and_tensor_parallel_codecs(parallel, dim):
     assert abs(z["losses"][-1] - r["none"][-1]) < 0.05  # INT8 activations barely move the loss
 
 
+@pytest.mark.parametrize("parallel,dim", [
+    (["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"], "tp"),
+    (["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"], "pp"),
+], ids=["tp2xdp2", "pp2xdp2"])
+def test_hybrid_presets_and_lossless_model_parallel(parallel, dim):
+    r = run_distributed(checks.hybrid_presets, 4, parallel, dim, 5, ranks_per_node=2, timeout_s=600)
+    for rank_result in r:
+        for codec in ("mpc", "zstd"):  # lossless on tp/pp: Megatron's losses, bit for bit, over 5 steps
+            assert rank_result[f"{dim}-{codec}"] == rank_result["absent"], (codec, rank_result)
+        for preset in ("mzhybrid", "zhybrid"):
+            run = rank_result[preset]
+            check = run["replica_check"]
+            assert run["finite"] and check["uses_compared"] > 0 and check["mismatches"] == 0, (preset, check)
+    r = r[0]
+    for preset in ("mzhybrid", "zhybrid"):
+        run, base = r[preset], r["absent"]
+        ratios = {tag: (t["intra_bytes"] + t["inter_bytes"]) / (t["uncompressed_intra_bytes"]
+                                                              + t["uncompressed_inter_bytes"])
+                  for tag, t in run["traffic"].items() if t["uncompressed_intra_bytes"] + t["uncompressed_inter_bytes"]}
+        print(f"\n{preset} {dim}: losses {[round(v, 4) for v in run['losses']]} vs Megatron "
+              f"{[round(v, 4) for v in base]}; bytes / uncompressed {({k: round(v, 3) for k, v in ratios.items()})}")
+        assert abs(run["losses"][-1] - base[-1]) < 0.05 * base[-1], (preset, run["losses"], base)
+        # ZFP rate 8 on fp32 gradients: 8 of 32 bits (+ size-free fixed payloads)
+        assert ratios["dp.grad"] <= 0.26, ratios
+        # model-parallel traffic: MPC (lossless, ~1.1x on fp32 activations) or ZFP rate 16 (half of fp32)
+        assert ratios[dim] < (1.0 if preset == "mzhybrid" else 0.51), ratios
+
+
 # Every layout of the integration tests, with the flags that change how weights reach the modules.
 DISTOPT = ["--use-distributed-optimizer"]
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
