@@ -257,3 +257,8 @@ def test_capture_from_training_equals_zfpy(tmp_path):
     rows = cq.check_zfp(captured)
     assert len(rows) == len(DTYPES) * 4 * 3 * len(cq.KINDS) and all(r["equal"] for r in rows), \
         cq.format_zfp_check([r for r in rows if not r["equal"]])
+
+
+def test_timing_statistic_is_checked():
+    with pytest.raises(ValueError, match="stat='fastest' is not valid; valid: median, best"):
+        cq.measure(get_codec("none"), [torch.ones(8)], repeats=1, device=torch.device("cpu"), stat="fastest")

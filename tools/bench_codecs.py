@@ -53,7 +53,12 @@ def parse_size(s: str) -> int:
     return int(s[:-1] if s[-1] in "KMG" else s) * mult
 
 
-def median_seconds(fn, repeats: int, device: torch.device) -> float:
+def timed_seconds(fn, repeats: int, device: torch.device, stat: str = "median") -> float:
+    """Seconds of one ``fn()`` after a warm-up: the median of ``repeats`` runs, or with ``stat="best"``
+    the fastest (on a machine shared with other jobs, the run they disturbed least)."""
+    if stat not in ("median", "best"):
+        raise ValueError(f"stat={stat!r} is not valid; valid: median, best")
+
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -66,7 +71,11 @@ def median_seconds(fn, repeats: int, device: torch.device) -> float:
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(times) if stat == "median" else min(times)
+
+
+def median_seconds(fn, repeats: int, device: torch.device) -> float:
+    return timed_seconds(fn, repeats, device, "median")
 
 
 def make_cases(numel: int, bits: int, dtype: torch.dtype, device: torch.device):
