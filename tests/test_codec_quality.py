@@ -174,12 +174,14 @@ def test_cli_writes_the_table_csv_and_png(saved_set, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "out"
     codecs = ["none", "int8:block=256", "zfp:rate=8"]
-    assert cq.main(["--load-captured", str(saved_set), "--codecs", *codecs, "--repeats", "1", "--out-dir", str(out)]) == 0
+    assert cq.main(["--load-captured", str(saved_set), "--codecs", *codecs, "--repeats", "1", "--out-dir", str(out),
+                    "--clock", "cpu", "--threads", "1"]) == 0
     printed = capsys.readouterr().out
     assert "| weights | int8:block=256 |" in printed
     with open(out / "codec-quality.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == len(DTYPES) * len(cq.KINDS) * len(codecs)
+    assert {(r["clock"], r["threads"], r["stat"]) for r in rows} == {("cpu", "1", "best")}
     assert {(r["dtype"], r["kind"], r["codec"]) for r in rows} == {
         (d, k, c) for d in DTYPES for k in cq.KINDS for c in codecs}
     captured = cq.load(saved_set, list(DTYPES))
@@ -203,6 +205,8 @@ def test_cli_writes_the_table_csv_and_png(saved_set, tmp_path, capsys):
     (["--codecs", "zfp:rate=99"], "rate=99.0 is not valid"),
     (["--steps", "0"], "--steps 0 must be >= 1"),
     (["--nproc", "2"], "--nproc 2 must be a multiple of 4"),
+    (["--threads", "0"], "--threads 0 must be >= 1"),
+    (["--clock", "gpu"], "argument --clock: invalid choice: 'gpu'"),
     (["--load-captured", "/nonexistent-zpp"], "captured-fp32.pt not found"),
 ])
 def test_cli_rejects_bad_values(argv, needle, capsys):
@@ -259,6 +263,8 @@ def test_capture_from_training_equals_zfpy(tmp_path):
         cq.format_zfp_check([r for r in rows if not r["equal"]])
 
 
-def test_timing_statistic_is_checked():
+def test_timing_statistic_and_clock_are_checked():
     with pytest.raises(ValueError, match="stat='fastest' is not valid; valid: median, best"):
         cq.measure(get_codec("none"), [torch.ones(8)], repeats=1, device=torch.device("cpu"), stat="fastest")
+    with pytest.raises(ValueError, match="clock='tsc' is not valid on cpu; valid: wall, cpu"):
+        cq.measure(get_codec("none"), [torch.ones(8)], repeats=1, device=torch.device("cpu"), clock="tsc")

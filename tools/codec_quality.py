@@ -24,7 +24,8 @@
    bytes, the true length ``payload_nbytes`` for variable-size codecs), relative L2 error, max
    absolute error and that over max|x|, encode and decode GB/s (raw tensor bytes / seconds, the
    fastest of ``--repeats`` runs after a warm-up, or the median with ``--stat median``; every captured
-   tensor is coded separately, as it is sent). Errors are summed over all tensors of a kind; the ratio is total raw over total payload bytes.
+   tensor is coded separately, as it is sent); ``--clock cpu`` divides by CPU seconds instead, which a
+   loaded machine disturbs far less. Errors are summed over all tensors of a kind; the ratio is total raw over total payload bytes.
    Written to ``--out-dir`` (default ``docs/codec-quality/``) as ``codec-quality.csv`` and
    ``codec-quality.png``. ``--device cuda`` codes on the GPU (the capture always runs on CPU).
 
@@ -34,7 +35,8 @@
    with the byte counts; exits 1 on any difference.
 
     python tools/codec_quality.py [--steps 3] [--capture-dir DIR | --load-captured DIR]
-        [--codecs none int8:block=256 zfp:rate=8 ...] [--repeats 3] [--device cpu] [--out-dir DIR]
+        [--codecs none int8:block=256 zfp:rate=8 ...] [--repeats 5] [--stat best|median]
+        [--clock wall|cpu] [--threads N] [--device cpu|cuda] [--out-dir DIR]
     python tools/codec_quality.py --check-zfp [--load-captured DIR]
 """
 
@@ -269,13 +271,15 @@ def load(capture_dir: Path, dtypes: list[str]) -> dict[str, dict[str, list]]:
 
 
 # ------------------------------------------------------------------------------------------- metrics -----
-def measure(codec, tensors: list[torch.Tensor], repeats: int, device: torch.device, stat: str = "best") -> dict:
+def measure(codec, tensors: list[torch.Tensor], repeats: int, device: torch.device, stat: str = "best",
+            clock: str = "wall") -> dict:
     """Ratio, errors and speed of ``codec`` over ``tensors``, each coded on its own (as it is sent).
 
     ratio = raw bytes / payload bytes (``payload_nbytes``: the true length of variable-size payloads);
     rel_l2 = ||y - x|| / ||x|| and max_abs over all tensors, in float64 against the input as it was
     (bf16 inputs against their bf16 values); max_rel = max_abs / max |x|; GB/s = raw bytes / seconds
-    of coding all tensors once, the best (default) or median of ``repeats`` runs after a warm-up.
+    of coding all tensors once, the best (default) or median of ``repeats`` runs after a warm-up, in
+    wall seconds or (``clock="cpu"``) this process's CPU seconds.
     """
     xs = [t.to(device).contiguous() for t in tensors]
     if not xs:
@@ -302,8 +306,8 @@ def measure(codec, tensors: list[torch.Tensor], repeats: int, device: torch.devi
         max_abs = max(max_abs, float(d.abs().max()))
         max_x = max(max_x, float(xd.abs().max()))
     gb = raw / 1e9
-    enc_s = timed_seconds(lambda: [codec.encode(x) for x in xs], repeats, device, stat)
-    dec_s = timed_seconds(lambda: [codec.decode(p) for p in packs], repeats, device, stat)
+    enc_s = timed_seconds(lambda: [codec.encode(x) for x in xs], repeats, device, stat, clock)
+    dec_s = timed_seconds(lambda: [codec.decode(p) for p in packs], repeats, device, stat, clock)
     return {"tensors": len(xs), "numel": sum(x.numel() for x in xs), "raw_bytes": raw, "payload_bytes": payload,
             "ratio": raw / payload if payload else math.inf,
             "rel_l2": math.sqrt(err2 / ref2) if ref2 else (0.0 if err2 == 0 else math.inf),
@@ -312,7 +316,7 @@ def measure(codec, tensors: list[torch.Tensor], repeats: int, device: torch.devi
 
 
 def quality_table(captured: dict[str, dict[str, list]], codecs: list[str], repeats: int, device: torch.device,
-                  stat: str = "best", log=print) -> list[dict]:
+                  stat: str = "best", clock: str = "wall", log=print) -> list[dict]:
     rows = []
     for spec in codecs:
         codec = get_codec(spec)
@@ -324,8 +328,9 @@ def quality_table(captured: dict[str, dict[str, list]], codecs: list[str], repea
                     if tensors:
                         codec_rows.append({"dtype": dname, "kind": kind, "codec": spec, "canonical": codec.spec,
                                            "lossless": codec.lossless,
-                                           "fixed_size": codec.fixed_size, **measure(codec, tensors, repeats, device, stat),
-                                           "device": str(device), "threads": torch.get_num_threads()})
+                                           "fixed_size": codec.fixed_size, **measure(codec, tensors, repeats, device, stat, clock),
+                                           "device": str(device), "threads": torch.get_num_threads(),
+                                           "stat": stat, "clock": clock})
         except (RuntimeError, ImportError) as e:  # a codec this device or install lacks: zstd on CUDA, nvcomp on CPU
             log(f"# {codec.spec} on {device}: skipped ({str(e).splitlines()[0]})")
             continue
@@ -349,7 +354,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 FIELDS = ["dtype", "kind", "codec", "canonical", "lossless", "fixed_size", "tensors", "numel", "raw_bytes", "payload_bytes", "ratio",
-          "rel_l2", "max_abs", "max_rel", "encode_gbps", "decode_gbps", "device", "threads"]
+          "rel_l2", "max_abs", "max_rel", "encode_gbps", "decode_gbps", "device", "threads", "stat", "clock"]
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
@@ -466,6 +471,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stat", choices=("best", "median"), default="best",
                     help="which repeat gives the GB/s: the fastest (default: on a shared machine, the run other "
                          "jobs disturbed least) or the median")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall seconds, or this process's CPU seconds (CPU only; GB/s per CPU-second: on a loaded "
+                         "machine, time spent waiting for a core is not counted)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for the codecs (default: torch's)")
     ap.add_argument("--device", default="cpu", help="where the codecs run: cpu or cuda")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "codec-quality")
     ap.add_argument("--check-zfp", action="store_true",
@@ -486,6 +495,12 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: this machine has no usable GPU")
+    if args.clock == "cpu" and device.type != "cpu":
+        ap.error(f"--clock cpu measures CPU seconds and needs --device cpu, not {args.device}")
+    if args.threads is not None:
+        if args.threads < 1:
+            ap.error(f"--threads {args.threads} must be >= 1")
+        torch.set_num_threads(args.threads)
     codecs = args.codecs or default_codecs(device)
     try:
         for spec in codecs:  # fail on a bad spec before the capture, naming it
@@ -518,8 +533,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if different else 0
 
     print(f"# codecs on {device} ({torch.get_num_threads()} threads, {platform.processor() or platform.machine()}), "
-          f"{args.stat} of {args.repeats} repeats")
-    rows = quality_table(captured, codecs, args.repeats, device, args.stat)
+          f"{args.stat} of {args.repeats} repeats, {args.clock} clock")
+    rows = quality_table(captured, codecs, args.repeats, device, args.stat, args.clock)
     print(format_table(rows))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     write_csv(rows, args.out_dir / "codec-quality.csv")
