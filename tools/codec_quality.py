@@ -539,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     write_csv(rows, args.out_dir / "codec-quality.csv")
     plot(rows, args.out_dir / "codec-quality.png",
-         f"codecs on tensors of the tiny GPT (TP2 x PP2, {source.split(',')[0]}), {device}")
+         f"codecs on tensors captured from the tiny GPT (TP2 x PP2 on 4 CPU ranks), coded on {device}")
     print(f"\n# wrote {args.out_dir / 'codec-quality.csv'} and codec-quality.png")
     return 0
 
