@@ -9,33 +9,13 @@ import torch
 import zfpy
 
 from megatron_zpp.compression import get_codec, zfp_reference
+from megatron_zpp.compression.zfp_reference import bits_equal, zfpy_stream, zfpy_values
 from megatron_zpp.compression.zfp import maxbits_for_rate, payload_bytes, zfp_decode_, zfp_encode_
 
 RATES = [4, 8, 16, 32]
 DIMS = [1, 2, 3]
 # Multiples of the block and of a row/plane, and sizes with every kind of tail (partial row, plane, block).
 SIZES = [1, 2, 3, 5, 15, 16, 17, 63, 64, 65, 100, 1000, 4099]
-ZTYPE_F32 = zfpy.dtype_to_ztype(np.dtype(np.float32))
-
-
-def zfpy_stream(x: np.ndarray, rate: float, dims: int) -> bytes:
-    """zfpy's header-less stream of our layout (zfp_reference.zfp_array: flat, tail padded by zfp's rule)."""
-    return zfpy.compress_numpy(zfp_reference.zfp_array(x, dims), rate=rate, write_header=False)
-
-
-def zfpy_values(stream: bytes, numel: int, rate: float, dims: int) -> np.ndarray:
-    nb = -(-numel // 4**dims)
-    shape = {1: (4 * nb,), 2: (4 * nb, 4), 3: (4 * nb, 4, 4)}[dims]
-    return zfpy._decompress(stream, ZTYPE_F32, shape, rate=rate).reshape(-1)[:numel]
-
-
-def bits_equal(a, b) -> bool:
-    """Same float32 bits, except that any NaN equals any NaN (conversions differ in NaN payloads)."""
-    a, b = np.asarray(a, dtype=np.float32), np.asarray(b, dtype=np.float32)
-    if a.shape != b.shape or not np.array_equal(np.isnan(a), np.isnan(b)):
-        return False
-    keep = ~np.isnan(a)
-    return np.array_equal(a[keep].view(np.uint32), b[keep].view(np.uint32))
 
 
 def payload_bytes_of(codec, x: torch.Tensor) -> bytes:

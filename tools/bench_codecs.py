@@ -53,7 +53,17 @@ def parse_size(s: str) -> int:
     return int(s[:-1] if s[-1] in "KMG" else s) * mult
 
 
-def median_seconds(fn, repeats: int, device: torch.device) -> float:
+def timed_seconds(fn, repeats: int, device: torch.device, stat: str = "median", clock: str = "wall") -> float:
+    """Seconds of one ``fn()`` after a warm-up: the median of ``repeats`` runs, or with ``stat="best"``
+    the fastest (on a machine shared with other jobs, the run they disturbed least). ``clock="cpu"``
+    counts this process's CPU seconds (all its threads) instead of wall seconds: on a loaded machine,
+    time spent waiting for a core is not counted (CPU devices only)."""
+    if stat not in ("median", "best"):
+        raise ValueError(f"stat={stat!r} is not valid; valid: median, best")
+    if clock not in ("wall", "cpu") or clock == "cpu" and device.type != "cpu":
+        raise ValueError(f"clock={clock!r} is not valid on {device}; valid: wall" + (", cpu" if device.type == "cpu" else ""))
+    now = time.perf_counter if clock == "wall" else time.process_time
+
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -62,11 +72,15 @@ def median_seconds(fn, repeats: int, device: torch.device) -> float:
     sync()
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = now()
         fn()
         sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        times.append(now() - t0)
+    return statistics.median(times) if stat == "median" else min(times)
+
+
+def median_seconds(fn, repeats: int, device: torch.device) -> float:
+    return timed_seconds(fn, repeats, device, "median")
 
 
 def make_cases(numel: int, bits: int, dtype: torch.dtype, device: torch.device):

@@ -133,3 +133,27 @@ def decode(payload: torch.Tensor, shape, dtype: torch.dtype, dims: int, maxbits:
     out = values[:numel].copy()
     out[np.repeat(head == 1, block_values(dims))[:numel]] = np.nan  # our non-finite marker
     return torch.from_numpy(out).to(dtype).reshape(shape)
+
+
+# ---------------------------------------------------------------- comparison helpers (tests, tools) -----
+def zfpy_stream(x: np.ndarray, rate: float, dims: int) -> bytes:
+    """zfpy's header-less stream of our layout (``zfp_array``: flat, tail padded by zfp's rule). For
+    finite ``x`` our payload must equal it byte for byte (tests/test_zfp.py, tools/codec_quality.py)."""
+    return _zfpy().compress_numpy(zfp_array(x, dims), rate=rate, write_header=False)
+
+
+def zfpy_values(stream: bytes, numel: int, rate: float, dims: int) -> np.ndarray:
+    """zfpy's decode of a header-less stream of ``numel`` values in our layout (fp32, flat)."""
+    zfpy = _zfpy()
+    nb = num_blocks(numel, dims)
+    shape = {1: (4 * nb,), 2: (4 * nb, 4), 3: (4 * nb, 4, 4)}[dims]
+    return zfpy._decompress(stream, zfpy.dtype_to_ztype(np.dtype(np.float32)), shape, rate=rate).reshape(-1)[:numel]
+
+
+def bits_equal(a, b) -> bool:
+    """Same float32 bits, except that any NaN equals any NaN (conversions differ in NaN payloads)."""
+    a, b = np.asarray(a, dtype=np.float32), np.asarray(b, dtype=np.float32)
+    if a.shape != b.shape or not np.array_equal(np.isnan(a), np.isnan(b)):
+        return False
+    keep = ~np.isnan(a)
+    return np.array_equal(a[keep].view(np.uint32), b[keep].view(np.uint32))
