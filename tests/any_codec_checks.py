@@ -178,3 +178,35 @@ def nan_worker() -> dict:
         found[spec] = (bool(torch.isnan(out[5])) if rank == 0 else None,
                        bool(torch.isfinite(out[64:]).all()))
     return found
+
+
+def error_feedback_worker(spec: str, steps: int) -> dict:
+    """Error feedback over ``steps`` reduce-scatters (one hop: the whole error is fed back): the sum of the
+    outputs equals the sum of the exact inputs minus what the final residuals still hold, to fp32 rounding;
+    without feedback the same sum drifts by the codec's accumulated error."""
+    topo = Topology(None)
+    size, rank, length = topo.size, topo.rank, 1000
+    residual = torch.zeros(size * length, dtype=torch.float32)
+    total_out = torch.zeros(length, dtype=torch.float64)
+    total_plain = torch.zeros(length, dtype=torch.float64)
+    total_exact = torch.zeros(length, dtype=torch.float64)
+    magnitude = torch.zeros(length, dtype=torch.float64)
+    for t in range(steps):
+        inputs = [data(90 + t, r, size * length, torch.float32) for r in range(size)]
+        out = torch.empty(length, dtype=torch.float32)
+        qgz_reduce_scatter(out, inputs[rank].clone(), topo, codec=spec, op="sum", residual=residual)
+        plain = torch.empty(length, dtype=torch.float32)
+        qgz_reduce_scatter(plain, inputs[rank].clone(), topo, codec=spec, op="sum")
+        total_out += out.double()
+        total_plain += plain.double()
+        mine = torch.stack([x.view(size, length)[rank].double() for x in inputs])
+        total_exact += mine.sum(0)
+        magnitude += mine.abs().sum(0)
+    everyone = [torch.empty_like(residual) for _ in range(size)]
+    dist.all_gather(everyone, residual)
+    left = torch.stack([e.view(size, length)[rank].double() for e in everyone]).sum(0)
+    identity_err = float(((total_out + left) - total_exact).abs().max() / magnitude.max())
+    return {"identity_err": identity_err,
+            "drift_with": float((total_out - total_exact).norm() / total_exact.norm()),
+            "drift_without": float((total_plain - total_exact).norm() / total_exact.norm()),
+            "residual_norm": float(residual.norm())}

@@ -49,18 +49,32 @@ def policy_mismatch() -> str:
     return "no error"
 
 
-def resume_matches_straight_run(workdir: str) -> tuple[list[float], list[float]]:
-    """Train 6 iterations saving at 4; resume from 4 to 6: the last two losses must be identical."""
+def resume_matches_straight_run(workdir: str, extra: list[str] | None = None) -> dict:
+    """Train 6 iterations saving at 4; resume from 4 to 6: the last two losses must be identical.
+    With error feedback on (``extra``), also resume with the residuals dropped from the checkpoint:
+    that run must differ (the residuals are part of the state)."""
     from pathlib import Path
 
+    import torch
+
+    extra = extra or []
     base = SMALL + ["--use-distributed-optimizer", "--zpp-policy", "zeropp", "--zpp-ranks-per-node", "1",
-                    "--train-iters", "6"]
-    straight = pretrain(base + ["--save", workdir, "--save-interval", "4"], log=_quiet)["losses"]
+                    "--train-iters", "6"] + extra
+    straight = pretrain(base + ["--save", workdir, "--save-interval", "4"], log=_quiet)
     if dist.get_rank() == 0:
         (Path(workdir) / "latest").write_text("4")
     dist.barrier()
-    resumed = pretrain(base + ["--load", workdir], log=_quiet)["losses"]
-    return straight[4:], resumed
+    out = {"straight": straight["losses"][4:], "resumed": pretrain(base + ["--load", workdir], log=_quiet)["losses"]}
+    if extra:
+        path = Path(workdir) / "iter_0000004" / f"rank_{dist.get_rank():05d}.pt"
+        state = torch.load(path, weights_only=False)
+        residuals = state["compression"]["error_feedback_residuals"]
+        out["residual_norms"] = [float(r.norm()) for r in residuals]
+        state["compression"]["error_feedback_residuals"] = [torch.zeros_like(r) for r in residuals]
+        torch.save(state, path)
+        dist.barrier()
+        out["resumed_without_residuals"] = pretrain(base + ["--load", workdir], log=_quiet)["losses"]
+    return out
 
 
 def fsdp_zeropp(iterations: int, workdir: str) -> dict:

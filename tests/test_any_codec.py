@@ -64,3 +64,15 @@ def test_nan_reaches_the_output_through_every_codec():
     for r in results:
         for spec, (_, finite_elsewhere) in r.items():
             assert finite_elsewhere, spec
+
+
+@pytest.mark.parametrize("spec", ["int4:block=128", "zfp:rate=8"])
+@pytest.mark.parametrize("nodes,per_node", [(1, 4), (4, 1)], ids=["1x4", "4x1"])
+def test_error_feedback_returns_what_the_codec_lost(spec, nodes, per_node):
+    results = run_distributed(checks.error_feedback_worker, nodes * per_node, spec, 6, ranks_per_node=per_node)
+    for r in results:
+        # sum of outputs + residuals left == sum of exact inputs (fp32 arithmetic on the way)
+        assert r["residual_norm"] > 0 and r["identity_err"] < 1e-5, r
+    r = results[0]
+    print(f"\n{spec} {nodes}x{per_node}: accumulated error over 6 steps with feedback {r['drift_with']:.2e}, "
+          f"without {r['drift_without']:.2e}")

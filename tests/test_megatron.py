@@ -145,6 +145,12 @@ def test_any_codec_on_any_dimension_and_what_needs_blockwise():
         resolve_policy(ZppConfig(policy="mzhybrid", tp="zfp8"))
     with pytest.raises(ValueError, match="rate"):
         resolve_policy(ZppConfig(policy="zhybrid", pp="zfp:rate=0"))
+    assert resolve_policy(ZppConfig(policy="mzhybrid", dp_grad_error_feedback=True)).error_feedback
+    assert not resolve_policy(ZppConfig(policy="mzhybrid")).error_feedback  # off by default
+    with pytest.raises(ValueError, match="error feedback needs a lossy dp.grad codec.*'mpc:dim=1'"):
+        resolve_policy(ZppConfig(policy="none", dp_grad="mpc", dp_grad_error_feedback=True))
+    with pytest.raises(ValueError, match="error feedback needs a lossy dp.grad codec.*'none'"):
+        resolve_policy(ZppConfig(policy="fair", dp_grad_error_feedback=True))
 
 
 def test_zpp_flags_are_generated_from_the_config():
@@ -158,9 +164,19 @@ def test_zpp_flags_are_generated_from_the_config():
 
 
 def test_save_and_load_resume_bit_exactly(tmp_path):
-    straight, resumed = run_distributed(checks.resume_matches_straight_run, 2, str(tmp_path), ranks_per_node=1,
-                                        timeout_s=300)[0]
-    assert straight == resumed and len(resumed) == 2, (straight, resumed)
+    r = run_distributed(checks.resume_matches_straight_run, 2, str(tmp_path), ranks_per_node=1, timeout_s=300)[0]
+    assert r["straight"] == r["resumed"] and len(r["resumed"]) == 2, r
+
+
+def test_error_feedback_residuals_resume_from_checkpoints(tmp_path):
+    """With --zpp-dp-grad-error-feedback the residuals are saved and restored: the resumed run equals the
+    straight one bit for bit, and the same resume with zeroed residuals does not."""
+    r = run_distributed(checks.resume_matches_straight_run, 2, str(tmp_path), ["--zpp-dp-grad-error-feedback"],
+                        ranks_per_node=1, timeout_s=300)[0]
+    print("\nresidual norms at iteration 4:", r["residual_norms"], "losses", r)
+    assert r["residual_norms"] and all(n > 0 for n in r["residual_norms"]), r
+    assert r["straight"] == r["resumed"] and len(r["resumed"]) == 2, r
+    assert r["resumed_without_residuals"] != r["straight"], r
 
 
 @pytest.mark.parametrize("layout", ["distopt-overlap-both", "fsdp-hpz"] + [

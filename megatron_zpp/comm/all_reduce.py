@@ -23,8 +23,11 @@ from megatron_zpp.comm.topology import Topology
 
 def compressed_all_reduce(tensor: torch.Tensor, topology: Topology, codec: str | Codec | None = "int4:block=128",
                           op="mean", async_op: bool = False, tag: str = "dp.grad",
-                          intra_codec: str | Codec | None = None, stages: int = 1):
-    """All-reduce ``tensor`` in place (``op`` mean or sum) with a quantized reduce-scatter + all-gather."""
+                          intra_codec: str | Codec | None = None, stages: int = 1,
+                          residual: torch.Tensor | None = None):
+    """All-reduce ``tensor`` in place (``op`` mean or sum) with a quantized reduce-scatter + all-gather.
+    ``residual``: error feedback of the reduce-scatter's first hop (``qgz_reduce_scatter``); the gather
+    encodes the reduced mean, the same on every rank, and is not fed back."""
     what = "compressed_all_reduce"
     if not tensor.is_contiguous():
         raise ValueError(f"{what}: tensor must be contiguous")
@@ -43,12 +46,22 @@ def compressed_all_reduce(tensor: torch.Tensor, topology: Topology, codec: str |
         padded[:numel].copy_(flat)
     else:
         padded = flat
+    padded_residual = residual
+    if residual is not None and residual.numel() != padded.numel():
+        if residual.numel() != numel:
+            raise ValueError(f"{what}: residual has {residual.numel()} elements; tensor has {numel}")
+        # A padded copy: the padding's own encoding error is dropped with it.
+        padded_residual = scratch.take(chunk * size * 4).view(torch.float32)
+        padded_residual[numel:].zero_()
+        padded_residual[:numel].copy_(residual.view(-1))
     shard = scratch.take(max(chunk, 1) * elt).view(tensor.dtype)[:chunk]
     rs = qgz_reduce_scatter(shard, padded, topology, codec=codec, op=op, async_op=True, tag=tag,
-                            intra_codec=intra_codec, stages=stages)
+                            intra_codec=intra_codec, stages=stages, residual=padded_residual)
 
     def finish() -> None:
-        rs.wait()
+        rs.wait()  # orders the caller's stream after hop 1, which wrote the residual
+        if padded_residual is not residual:
+            residual.view(-1).copy_(padded_residual[:numel])
         # The reduce-scatter read `padded` before writing `shard`, so it can receive the gather.
         quantized_all_gather(padded, shard, topology, codec=codec, tag=tag)
         if padded.data_ptr() != flat.data_ptr():

@@ -130,8 +130,12 @@ def all_gather_payload(group: _GroupInfo, payload: torch.Tensor, fixed: bool, ta
 
 # ------------------------------------------------------------------ reduce-scatter -----
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology, intra_fmt: WireFormat,
-                   inter_fmt: WireFormat, divisor: int, scratch: Scratch, tag: str):
-    """First step of the two-hop reduce-scatter (module docstring); returns ``(middles, finish)``."""
+                   inter_fmt: WireFormat, divisor: int, scratch: Scratch, tag: str,
+                   residual: torch.Tensor | None = None):
+    """First step of the two-hop reduce-scatter (module docstring); returns ``(middles, finish)``.
+    ``residual``: error feedback, as in ``reduce_scatter.qgz_reduce_scatter``."""
+    from megatron_zpp.comm.reduce_scatter import compensate
+
     groups = topology._groups
     size, nodes, node_size = topology.size, topology.num_nodes, topology.node_size
     length, dtype = output.numel(), input.dtype
@@ -142,10 +146,18 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology
 
     # Reorder [node, local, length] -> [local, node, length]: local peer j gets one payload holding the
     # chunks of rank j of every node.
+    x = input
+    if residual is not None:
+        x, target = compensate(input, residual, scratch)
     with comm_timers().codec():
-        reordered = input.view(nodes, node_size, length).transpose(0, 1).contiguous()
+        reordered = x.view(nodes, node_size, length).transpose(0, 1).contiguous()
     per_peer = reordered.view(first.size, -1)
     payloads = [encode(first_fmt, per_peer[p]) for p in range(first.size)]
+    if residual is not None:  # what hop 1 really sends, decoded, back in [node, local] order
+        sent = torch.stack([decode(first_fmt, p, (per_peer.shape[1],), dtype) for p in payloads])
+        with comm_timers().codec():
+            sent = sent.view(node_size, nodes, length).transpose(0, 1).reshape(-1)
+            torch.sub(target.view(-1), sent, out=residual.view(-1))
     hop1, received1 = all_to_all_payloads(first, payloads, first_fmt.codec.fixed_size, tag,
                                           raw * (size // first.size))
 

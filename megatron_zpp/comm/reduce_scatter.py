@@ -56,7 +56,8 @@ def _hop_bytes(topology: Topology, stages: int, row1: int, row2: int) -> tuple[i
 
 def qgz_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology,
                        codec: str | Codec | None = "int4:block=128", op="mean", async_op: bool = False,
-                       tag: str = "dp.grad", intra_codec: str | Codec | None = None, stages: int = 1):
+                       tag: str = "dp.grad", intra_codec: str | Codec | None = None, stages: int = 1,
+                       residual: torch.Tensor | None = None):
     """Reduce-scatter ``input`` into ``output`` with ZeRO++'s quantized 2-hop all-to-all.
 
     Args:
@@ -72,6 +73,9 @@ def qgz_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topo
         tag: byte-accounting tag.
         intra_codec: codec of the intra-node hop, e.g. INT8 inside the node and INT4 across.
         stages: pipeline stages (Algorithm 2); each chunk is split into this many slices.
+        residual: error feedback (off when None): this rank's fp32 residual, ``input.numel()``
+            elements. Hop 1 sends ``input + residual`` and the residual becomes what hop 1's encoding
+            lost of it (``error_feedback.md``); hop 2's error, on the node's partial sums, is not fed back.
     """
     what = "qgz_reduce_scatter"
     check_pair(output, input, what)
@@ -90,6 +94,8 @@ def qgz_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topo
                          "'none' or both be compressing codecs")
     if inter_fmt.compressed:
         check_float("input", input, what)
+    if residual is not None:
+        check_residual(residual, input, inter_fmt, what)
     agree(topology, what, codec=inter_fmt.spec, intra_codec=intra_fmt.spec, stages=stages,
           dtype=str(input.dtype), divisor=divisor)
     if length == 0:
@@ -105,7 +111,7 @@ def qgz_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topo
         scratch = groups.buffers.lease(input.device)
         return launch(groups.in_flight, stream, (input, output),
                       lambda: any_codec.reduce_scatter(output, input, topology, intra_fmt, inter_fmt, divisor,
-                                                       scratch, tag), async_op)
+                                                       scratch, tag, residual), async_op)
 
     stages = min(stages, length)  # never a slice of zero elements
     slice_len = layout.ceil_div(length, stages)
@@ -118,13 +124,17 @@ def qgz_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topo
         rows = (raw_row, raw_row)
     comm_stats().record(tag, *_hop_bytes(topology, stages, *rows),
                         uncompressed=_hop_bytes(topology, stages, raw_row, raw_row))
-    run = _compressed if inter_fmt.compressed else _uncompressed
     stream = comm_stream(input.device, "reduce", groups.streams)
     scratch = groups.buffers.lease(input.device)
     site = f"{tag}/qgz"
-    return launch(groups.in_flight, stream, (input, output),
-                  lambda: run(output, input, topology, intra_fmt, inter_fmt, stages, slice_len, divisor, scratch,
-                              site), async_op)
+    used = (input, output) + ((residual,) if residual is not None else ())
+    if inter_fmt.compressed:
+        return launch(groups.in_flight, stream, used,
+                      lambda: _compressed(output, input, topology, intra_fmt, inter_fmt, stages, slice_len, divisor,
+                                          scratch, site, residual), async_op)
+    return launch(groups.in_flight, stream, used,
+                  lambda: _uncompressed(output, input, topology, intra_fmt, inter_fmt, stages, slice_len, divisor,
+                                        scratch, site), async_op)
 
 
 def _staged_input(input: torch.Tensor, size: int, stages: int, slice_len: int, scratch: Scratch) -> torch.Tensor:
@@ -146,20 +156,55 @@ def _staged_output(output: torch.Tensor, stages: int, slice_len: int, scratch: S
     return scratch.take(stages * slice_len * output.element_size()).view(output.dtype), True
 
 
+def check_residual(residual: torch.Tensor, input: torch.Tensor, fmt: WireFormat, what: str) -> None:
+    if not fmt.compressed or fmt.codec.lossless:
+        raise ValueError(f"{what}: error feedback (residual) needs a lossy codec; codec is {fmt.spec!r}")
+    if (residual.dtype != torch.float32 or residual.numel() != input.numel() or residual.device != input.device
+            or not residual.is_contiguous()):
+        raise ValueError(f"{what}: residual must be a contiguous float32 tensor of {input.numel()} elements on "
+                         f"{input.device}, got {residual.dtype} x {residual.numel()} on {residual.device}")
+
+
+def compensate(input: torch.Tensor, residual: torch.Tensor, scratch: Scratch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Error feedback's first half: ``(x, target)``, ``target = input + residual`` in fp32 and ``x`` that in
+    the input dtype (scratch: ``input`` may alias the output and is left as it is)."""
+    with comm_timers().codec():
+        target = scratch.take(input.numel() * 4).view(torch.float32)
+        torch.add(input.view(-1), residual.view(-1), out=target)
+        if input.dtype == torch.float32:
+            return target, target
+        x = scratch.take(input.numel() * input.element_size()).view(input.dtype)
+        x.copy_(target)
+        return x, target
+
+
 def _compressed(output, input, topology: Topology, intra_fmt: WireFormat, inter_fmt: WireFormat,
-                stages: int, slice_len: int, divisor: int, scratch: Scratch, site: str):
+                stages: int, slice_len: int, divisor: int, scratch: Scratch, site: str,
+                residual: torch.Tensor | None = None):
     groups = topology._groups
     size, nodes, node_size = topology.size, topology.num_nodes, topology.node_size
     two_hops = nodes > 1 and node_size > 1
     first_fmt = intra_fmt if node_size > 1 else inter_fmt
     first = groups.intra if node_size > 1 else groups.inter  # size-1 groups when size == 1
 
-    x = _staged_input(input, size, stages, slice_len, scratch)
+    if residual is not None:
+        compensated, target = compensate(input, residual, scratch)
+        x = _staged_input(compensated.view(input.shape), size, stages, slice_len, scratch)
+    else:
+        x = _staged_input(input, size, stages, slice_len, scratch)
     rb1 = layout.row_bytes(slice_len, first_fmt.bits, first_fmt.block)
     send1 = scratch.take(stages * size * rb1)
     recv1 = scratch.take(stages * size * rb1)
     codec_ops.reorder_quantize_(x, send1.view(stages * size, rb1), first_fmt.bits, first_fmt.block, nodes,
                           node_size, stages, first_fmt.stochastic, first_fmt.seed(topology.rank, site + ".hop1"))
+    if residual is not None:
+        # What hop 1 really sends, decoded: rows are [stage, local, node, slice] (the reorder above).
+        sent = scratch.take(stages * size * slice_len * 4).view(torch.float32)
+        codec_ops.dequantize_rows_(send1.view(stages * size, rb1), sent, first_fmt.bits, first_fmt.block)
+        with comm_timers().codec():
+            length = input.numel() // size
+            sent = sent.view(stages, node_size, nodes, slice_len).permute(2, 1, 0, 3).reshape(size, -1)[:, :length]
+            torch.sub(target.view(size, length), sent, out=residual.view(size, length))
     send1_s, recv1_s = send1.view(stages, size * rb1), recv1.view(stages, size * rb1)
     hop1 = [first.all_to_all(recv1_s[s], send1_s[s]) for s in range(stages)]
     out, copy_back = _staged_output(output, stages, slice_len, scratch)

@@ -61,6 +61,10 @@ class MegatronHooks:
         self._topologies: dict[tuple, Topology] = {}
         self._hpz_shards: dict[tuple[int, int], HpzShard] = {}
         self._pending_gathers: dict[tuple, object] = {}  # (pipeline, bucket key) -> our gather handle
+        # Error feedback: one fp32 residual per gradient bucket, keyed by the bucket's storage (Megatron's
+        # grad buffers live for the whole run), in the order the buckets are first reduced.
+        self._residuals: dict[tuple, torch.Tensor] = {}
+        self._loaded_residuals: list[torch.Tensor] | None = None
         self._saved: dict[str, object] = {}
         self._timed_methods: list[tuple[type, str, object]] = []
         self.installed = False
@@ -367,7 +371,7 @@ class MegatronHooks:
             return original(output, input, op=op, group=group, async_op=async_op), None
         return None, qgz_reduce_scatter(output, input, self.topology(group), codec=self.grad_codec, op=_op_name(op),
                                         async_op=async_op, tag=GRAD_TAG, intra_codec=self.policy.dp_grad_intra,
-                                        stages=self.policy.qgz_stages)
+                                        stages=self.policy.qgz_stages, residual=self._residual(input))
 
     def _all_reduce_grads(self, original, tensor, op, group, async_op):
         """``(result, handle)``: Megatron's own all-reduce, recorded; or ours (compressed or the
@@ -379,7 +383,41 @@ class MegatronHooks:
             return original(tensor, op=op, group=group, async_op=async_op), None
         return None, compressed_all_reduce(tensor, self.topology(group), codec=self.grad_codec, op=_op_name(op), async_op=async_op,
                                            tag=GRAD_TAG, intra_codec=self.policy.dp_grad_intra,
-                                           stages=self.policy.qgz_stages)
+                                           stages=self.policy.qgz_stages, residual=self._residual(tensor))
+
+    # ------------------------------------------------------------------ error feedback
+    def _residual(self, grads: torch.Tensor) -> torch.Tensor | None:
+        """The error-feedback residual of the bucket whose gradients are ``grads`` (None: feedback off, or
+        this reduction uncompressed by the dp_grad_until schedule: the residual then waits, unchanged)."""
+        if not self.policy.error_feedback or self.grad_codec == "none":
+            return None
+        key = (grads.device, grads.data_ptr(), grads.numel())
+        residual = self._residuals.get(key)
+        if residual is None:
+            index = len(self._residuals)
+            loaded = self._loaded_residuals
+            if loaded is not None and index < len(loaded):
+                if loaded[index].numel() != grads.numel():
+                    raise ValueError(f"checkpoint error-feedback residual {index} has {loaded[index].numel()} "
+                                     f"elements; bucket {index} of this run has {grads.numel()} (another layout)")
+                residual = loaded[index].to(device=grads.device, dtype=torch.float32).contiguous()
+            else:
+                residual = torch.zeros(grads.numel(), dtype=torch.float32, device=grads.device)
+            self._residuals[key] = residual
+        return residual
+
+    def state_dict(self) -> dict:
+        """Compression state a checkpoint keeps: the error-feedback residuals, in bucket order."""
+        return {"error_feedback_residuals": [r.detach().cpu().clone() for r in self._residuals.values()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s residuals; they attach to the buckets in the order they are reduced."""
+        residuals = list(state.get("error_feedback_residuals", []))
+        if residuals and not self.policy.error_feedback:
+            raise ValueError("the checkpoint holds error-feedback residuals but this run's policy has "
+                             "error_feedback off; resume with --zpp-dp-grad-error-feedback or from another checkpoint")
+        self._residuals = {}
+        self._loaded_residuals = residuals
 
     def _megatron_runs(self, codec: str) -> bool:
         """Whether a collective with ``codec`` stays Megatron's own call (only recorded)."""

@@ -43,3 +43,7 @@ class ZppConfig:
     dp_grad_until: float | None = None
     """Compress dp.grad only for this fraction of --train-iters, then reduce uncompressed (ZeRO++ Table 5
     schedule); default the policy's (1.0: always)."""
+    dp_grad_error_feedback: bool | None = None
+    """Error feedback for a lossy dp.grad codec (off by default): each rank adds what the previous
+    reduction's first hop lost of its gradient to the next one (a residual the size of its gradient
+    buffer, fp32, saved in checkpoints). See megatron_zpp/comm/error_feedback.md."""

@@ -12,6 +12,7 @@ YAML keys::
     qgz_stages:        INT              pipelined hops (Algorithm 2)
     dp_grad_until:     FLOAT in (0, 1]  compress dp.grad for this fraction of the iterations
     dp_uncompressed:   megatron | hierarchical   who runs DP collectives whose codec is none
+    error_feedback:    BOOL             error feedback on a lossy dp.grad codec (default false)
     description:       free text
 
 DeepSpeed's ZeRO++ keys are accepted as aliases: ``zero_quantized_weights: true`` (dp.param
@@ -31,7 +32,8 @@ from megatron_zpp.policy.config import ZppConfig
 DIMENSIONS = ("dp.grad", "dp.param", "tp", "pp")
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "policies"
 ZEROPP_WEIGHTS, ZEROPP_GRADS = "int8:block=256", "int4:block=128"
-_YAML_KEYS = ("codecs", "dp_grad_intra", "hpz_size", "qgz_stages", "dp_grad_until", "dp_uncompressed", "description",
+_YAML_KEYS = ("codecs", "dp_grad_intra", "hpz_size", "qgz_stages", "dp_grad_until", "dp_uncompressed", "error_feedback",
+              "description",
               "zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size")
 # Codecs with fused kernels: the only ones hpZ's secondary partition and qgZ's pipelined stages take
 # (any registered codec runs on every dimension otherwise: comm/any_codec.py).
@@ -52,6 +54,7 @@ class Policy:
     qgz_stages: int = 1
     dp_grad_until: float = 1.0
     dp_uncompressed: str = "megatron"
+    error_feedback: bool = False
     description: str = ""
 
     def codec(self, dimension: str) -> str:
@@ -156,11 +159,20 @@ def resolve_policy(config: ZppConfig) -> Policy:
                                                                                           "megatron")
     if route not in DP_UNCOMPRESSED:
         raise ValueError(f"policy {name!r}: dp_uncompressed={route!r}; valid: {', '.join(DP_UNCOMPRESSED)}")
+    feedback = config.dp_grad_error_feedback
+    if feedback is None:
+        feedback = data.get("error_feedback", False)
+    if not isinstance(feedback, bool):
+        raise ValueError(f"policy {name!r}: error_feedback={feedback!r} must be true or false")
+    if feedback and (codecs["dp.grad"] == "none" or get_codec(codecs["dp.grad"]).lossless):
+        raise ValueError(f"policy {name!r}: error feedback needs a lossy dp.grad codec (int8, int4, zfp); "
+                         f"dp.grad is {codecs['dp.grad']!r}")
     rpn = config.ranks_per_node
     if rpn is not None and rpn < 1:
         raise ValueError(f"--zpp-ranks-per-node={rpn} must be a positive integer")
     return Policy(name=name, codecs=codecs, dp_grad_intra=intra, hpz_size=hpz, ranks_per_node=rpn,
-                  qgz_stages=stages, dp_grad_until=float(until), dp_uncompressed=route, description=str(data.get("description", "")))
+                  qgz_stages=stages, dp_grad_until=float(until), dp_uncompressed=route, error_feedback=feedback,
+                  description=str(data.get("description", "")))
 
 
 def check_policy_agreement(policy: Policy, group=None) -> None:

@@ -35,7 +35,7 @@ def _is_fsdp(models) -> bool:
         hasattr(getattr(model, "module", None), "install_optimized_model_weights")
 
 
-def save_checkpoint(directory: str, iteration: int, models: list, optimizer, scheduler) -> Path:
+def save_checkpoint(directory: str, iteration: int, models: list, optimizer, scheduler, hooks=None) -> Path:
     """Megatron-FSDP keeps weights only as shards (its ``state_dict`` holds freed gathered buffers),
     so for it the optimizer's main-weight shards are the checkpoint; the model weights are
     re-installed from them on load."""
@@ -51,6 +51,7 @@ def save_checkpoint(directory: str, iteration: int, models: list, optimizer, sch
         "optimizer": [opt.optimizer.state_dict() for opt in _inner_optimizers(optimizer)],
         "scheduler": scheduler.state_dict(),
         "rng": torch.get_rng_state(),
+        "compression": hooks.state_dict() if hooks is not None else {},
     }
     torch.save(state, folder / f"rank_{rank:05d}.pt")
     dist.barrier()
@@ -59,7 +60,7 @@ def save_checkpoint(directory: str, iteration: int, models: list, optimizer, sch
     return folder
 
 
-def load_checkpoint(directory: str, models: list, optimizer, scheduler) -> int:
+def load_checkpoint(directory: str, models: list, optimizer, scheduler, hooks=None) -> int:
     """Load the newest checkpoint under ``directory``; return its iteration."""
     latest = Path(directory) / "latest"
     if not latest.exists():
@@ -85,4 +86,6 @@ def load_checkpoint(directory: str, models: list, optimizer, scheduler) -> int:
 
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])
+    if hooks is not None:
+        hooks.load_state_dict(state.get("compression", {}))
     return iteration

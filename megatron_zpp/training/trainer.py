@@ -191,7 +191,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         if args.load:
             from megatron_zpp.training.checkpoint import load_checkpoint
 
-            start_iteration = load_checkpoint(args.load, models, optimizer, scheduler)
+            start_iteration = load_checkpoint(args.load, models, optimizer, scheduler, hooks)
             hooks.invalidate_secondary()
 
         dp_rank = parallel_state.get_data_parallel_rank()
@@ -236,12 +236,12 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             if args.save and args.save_interval and (iteration + 1) % args.save_interval == 0:
                 from megatron_zpp.training.checkpoint import save_checkpoint
 
-                save_checkpoint(args.save, iteration + 1, models, optimizer, scheduler)
+                save_checkpoint(args.save, iteration + 1, models, optimizer, scheduler, hooks)
         logger.end_training()  # per-iteration bytes: the loop only, not the final sync and evaluation
         if args.save:
             from megatron_zpp.training.checkpoint import save_checkpoint
 
-            save_checkpoint(args.save, args.train_iters, models, optimizer, scheduler)
+            save_checkpoint(args.save, args.train_iters, models, optimizer, scheduler, hooks)
         if args.use_distributed_optimizer or args.use_megatron_fsdp:
             # Overlap leaves params stale until the next forward, and FSDP keeps them sharded:
             # gather them (with the policy's codec) so replicas can be compared.
