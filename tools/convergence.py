@@ -1,18 +1,25 @@
-"""Convergence study: the ZeRO++ paper's Table 5 for our setting, plus loss curves.
+"""Convergence studies: the ZeRO++ paper's Table 5 for our setting, the MVAPICH hybrid presets, loss curves.
 
-Four runs of the same small GPT on the ZeRO-3 path (Megatron-FSDP, bf16), same seed and data
-(the built-in corpus), on 4 CPU ranks as 2 simulated nodes x 2 (or GPUs with --nproc/--ranks-per-node):
+``--study zeropp`` (default): four runs of the same small GPT on the ZeRO-3 path (Megatron-FSDP, bf16),
+same seed and data (the built-in corpus), on 4 CPU ranks as 2 simulated nodes x 2 (or GPUs with
+--nproc/--ranks-per-node):
 
   baseline                      --zpp-policy none
   ZeRO++ (hpZ & qwZ & qgZ on)   --zpp-policy zeropp
   ZeRO++ (qgZ first 50%)        --zpp-policy zeropp --zpp-dp-grad-until 0.5
   ZeRO++ (hpZ & qwZ on; qgZ off) --zpp-policy zeropp --zpp-dp-grad none
 
-It prints the validation loss at the end of each run and its gap to the baseline next to the
-goals (<= 1% all on, <= 0.3% qgZ first 50%, <= 0.1% qgZ off), and writes the training-loss
-curves to ``docs/convergence-<date>-<machine>.png`` (and the numbers to a JSON beside it).
+with the paper's goals (<= 1% all on, <= 0.3% qgZ first 50%, <= 0.1% qgZ off).
 
-    python tools/convergence.py [--steps 300] [--out-dir docs]
+``--study hybrid``: the per-dimension presets against the baseline on 3D-style parallelism (tensor
+parallel 2 x data parallel 2, distributed optimizer = ZeRO-1, bf16), where their tensor-parallel codecs
+run: baseline (none), mzhybrid, zhybrid, hybrid. MVAPICH reports MZHybrid at the baseline loss and ZHybrid
+"acceptable"; there is no numeric goal, the gaps are reported.
+
+It prints the validation loss at the end of each run and its gap to the baseline, and writes the
+training-loss curves to ``docs/convergence[-hybrid]-<date>-<machine>.png`` (numbers in a JSON beside it).
+
+    python tools/convergence.py [--study zeropp|hybrid] [--steps 300] [--out-dir docs]
 """
 
 from __future__ import annotations
@@ -37,26 +44,39 @@ RUNS = {
 }
 GOALS = {"ZeRO++ (hpZ & qwZ & qgZ on)": 1.0, "ZeRO++ (hpZ & qwZ on; qgZ on for first 50%)": 0.3,
          "ZeRO++ (hpZ & qwZ on; qgZ off)": 0.1}
+HYBRID_RUNS = {
+    "baseline": ["--zpp-policy", "none"],
+    "mzhybrid (ZFP 8 DP grads, MPC TP/ZeRO)": ["--zpp-policy", "mzhybrid"],
+    "zhybrid (ZFP 8 DP grads, ZFP 16 TP/ZeRO)": ["--zpp-policy", "zhybrid"],
+    "hybrid (INT4 qgZ, INT8 qwZ, MPC TP)": ["--zpp-policy", "hybrid"],
+}
+STUDIES = {
+    # name: (runs, goals, parallel layout flags, title)
+    "zeropp": (RUNS, GOALS, ["--use-megatron-fsdp"], "ZeRO-3 / Megatron-FSDP bf16"),
+    "hybrid": (HYBRID_RUNS, {}, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"],
+               "TP2 x DP2, distributed optimizer (ZeRO-1), bf16"),
+}
 
 
-def model_args(steps: int, ranks_per_node: int) -> list[str]:
-    return ["--use-megatron-fsdp", "--bf16", "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
+def model_args(steps: int, ranks_per_node: int, layout: list[str]) -> list[str]:
+    return layout + ["--bf16", "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
             "--seq-length", "128", "--micro-batch-size", "4", "--global-batch-size", "16", "--lr", "1e-3",
             "--min-lr", "1e-4", "--lr-warmup-iters", str(max(1, steps // 10)), "--train-iters", str(steps),
             "--eval-iters", "16", "--log-interval", str(max(1, steps // 6)), "--seed", "1234",
             "--zpp-ranks-per-node", str(ranks_per_node)]
 
 
-def _worker(steps: int, ranks_per_node: int) -> dict:
+def _worker(steps: int, ranks_per_node: int, study: str) -> dict:
     from megatron_zpp.training.trainer import pretrain
 
     import torch.distributed as dist
 
+    runs, _, layout, _ = STUDIES[study]
     results = {}
-    for name, flags in RUNS.items():
+    for name, flags in runs.items():
         if dist.get_rank() == 0:
             print(f"# run: {name}", flush=True)
-        summary = pretrain(model_args(steps, ranks_per_node) + flags)
+        summary = pretrain(model_args(steps, ranks_per_node, layout) + flags)
         results[name] = {"losses": summary["losses"], "valid_loss": summary["valid_loss"],
                          "inter_bytes": summary["inter_bytes"],
                          "inter_bytes_uncompressed": summary["inter_bytes_uncompressed"],
@@ -71,6 +91,8 @@ def machine_name() -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--study", choices=sorted(STUDIES), default="zeropp",
+                   help="zeropp: ZeRO++ Table 5 on Megatron-FSDP; hybrid: the per-dimension presets on TP2 x DP2")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--ranks-per-node", type=int, default=2)
@@ -78,26 +100,30 @@ def main() -> None:
     args = p.parse_args()
     if args.steps < 1:
         raise SystemExit("--steps must be positive")
-    results = run_distributed(_worker, args.nproc, args.steps, args.ranks_per_node, ranks_per_node=args.ranks_per_node,
-                              timeout_s=3600)[0]
+    _, goals, _, title = STUDIES[args.study]
+    results = run_distributed(_worker, args.nproc, args.steps, args.ranks_per_node, args.study,
+                              ranks_per_node=args.ranks_per_node, timeout_s=3600)[0]
 
     base = results["baseline"]["valid_loss"]
-    print(f"\nTable 5 (our setting: GPT 2x128 on the Python stdlib corpus, {args.steps} steps x 16 x 128 tokens, "
-          f"ZeRO-3 / Megatron-FSDP bf16, {args.nproc} ranks as {args.nproc // args.ranks_per_node} nodes x "
+    heading = "Table 5" if args.study == "zeropp" else "Hybrid presets"
+    print(f"\n{heading} (our setting: GPT 2x128 on the Python stdlib corpus, {args.steps} steps x 16 x 128 tokens, "
+          f"{title}, {args.nproc} ranks as {args.nproc // args.ranks_per_node} nodes x "
           f"{args.ranks_per_node}): validation LM loss at the end of training")
     print("| run | validation loss | gap vs baseline | goal | cross-node bytes vs uncompressed |")
     print("|---|---|---|---|---|")
     for name, r in results.items():
         gap = 100 * (r["valid_loss"] - base) / base
-        goal = GOALS.get(name)
+        goal = goals.get(name)
         verdict = "" if goal is None else (f"<= {goal}% " + ("met" if abs(gap) <= goal else "NOT met"))
         ratio = r["inter_bytes"] / r["inter_bytes_uncompressed"] if r["inter_bytes_uncompressed"] else 1.0
         print(f"| {name} | {r['valid_loss']:.6f} | {gap:+.3f}% | {verdict} | x{ratio:.4f} |")
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"convergence-{datetime.date.today().isoformat()}-{machine_name()}"
-    (out_dir / f"{stem}.json").write_text(json.dumps({"steps": args.steps, "results": results}, indent=1))
+    study = "" if args.study == "zeropp" else f"-{args.study}"
+    stem = f"convergence{study}-{datetime.date.today().isoformat()}-{machine_name()}"
+    (out_dir / f"{stem}.json").write_text(json.dumps({"study": args.study, "layout": title, "steps": args.steps,
+                                                      "results": results}, indent=1))
     try:
         import matplotlib
 
@@ -115,7 +141,7 @@ def main() -> None:
         ax.plot(range(1, len(losses) + 1), smooth, label=f"{name} (valid {r['valid_loss']:.4f})")
     ax.set_xlabel("iteration")
     ax.set_ylabel(f"training LM loss (moving average over {window})")
-    ax.set_title(f"megatron_zpp convergence, {machine_name()}")
+    ax.set_title(f"megatron_zpp convergence: {title}, {machine_name()}")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
