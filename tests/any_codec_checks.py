@@ -94,6 +94,11 @@ def collectives_worker(seed: int) -> dict:
                 quantized_all_gather(gathered, shard, topo, codec=spec)
                 if spec in LOSSLESS:
                     assert torch.equal(out, reference), f"reduce-scatter {key}: lossless != uncompressed"
+                    # the output a view of the input, as Megatron passes it
+                    bucket = inputs[rank].clone()
+                    aliased = bucket.view(size, length)[rank]
+                    qgz_reduce_scatter(aliased, bucket, topo, codec=spec)
+                    assert torch.equal(aliased, reference), f"reduce-scatter {key}: output aliasing the input"
                     assert torch.equal(gathered, gathered_ref), f"all-gather {key}: lossless != torch"
                     report["lossless_equal"].append(key)
                     continue

@@ -166,6 +166,7 @@ def hybrid_presets(parallel: list[str], dim: str, iterations: int) -> dict:
 
 
 POLICIES = {"none": ["--zpp-policy", "none"], "fair": ["--zpp-policy", "fair"], "zeropp": ["--zpp-policy", "zeropp"],
+            "mzhybrid": ["--zpp-policy", "mzhybrid"], "zhybrid": ["--zpp-policy", "zhybrid"],
             "int8-param": ["--zpp-policy", "none", "--zpp-dp-param", "int8:block=256"]}
 
 

@@ -145,6 +145,16 @@ def test_any_codec_on_any_dimension_and_what_needs_blockwise():
         resolve_policy(ZppConfig(policy="mzhybrid", tp="zfp8"))
     with pytest.raises(ValueError, match="rate"):
         resolve_policy(ZppConfig(policy="zhybrid", pp="zfp:rate=0"))
+    with pytest.raises(ValueError, match="dp_grad_intra='int8.*dp.grad='zfp:rate=8.*both be blockwise"):
+        resolve_policy(ZppConfig(policy="mzhybrid", dp_grad_intra="int8:block=256"))
+    from megatron_zpp.policy import check_policy_devices
+
+    check_policy_devices(resolve_policy(ZppConfig(policy="mzhybrid")), "cuda")  # mpc and zfp run on both
+    check_policy_devices(resolve_policy(ZppConfig(policy="none", tp="zstd")), "cpu")
+    with pytest.raises(ValueError, match="tp: codec 'zstd:level=1' runs on cpu tensors, and this run's are on cuda"):
+        check_policy_devices(resolve_policy(ZppConfig(policy="none", tp="zstd")), "cuda")
+    with pytest.raises(ValueError, match="pp: codec 'nvcomp.*runs on cuda tensors, and this run's are on cpu"):
+        check_policy_devices(resolve_policy(ZppConfig(policy="none", pp="nvcomp")), "cpu")
     assert resolve_policy(ZppConfig(policy="mzhybrid", dp_grad_error_feedback=True)).error_feedback
     assert not resolve_policy(ZppConfig(policy="mzhybrid")).error_feedback  # off by default
     with pytest.raises(ValueError, match="error feedback needs a lossy dp.grad codec.*'mpc:dim=1'"):
@@ -308,6 +318,20 @@ def test_hybrid_presets_and_lossless_model_parallel(parallel, dim):
         assert ratios["dp.grad"] <= 0.26, ratios
         # model-parallel traffic: MPC (lossless, ~1.1x on fp32 activations) or ZFP rate 16 (half of fp32)
         assert ratios[dim] < (1.0 if preset == "mzhybrid" else 0.51), ratios
+
+
+@pytest.mark.parametrize("layout", ["distopt-overlap-both", "fsdp-hpz"])
+def test_hybrid_presets_on_two_hop_data_parallel(layout):
+    """DP4 as 2 nodes x 2: the any-codec reduce-scatter runs both hops (ZFP) and the weight gather is MPC
+    (mzhybrid) or ZFP (zhybrid), on the distributed optimizer and Megatron-FSDP, with overlap; every replica
+    uses identical weights at every use."""
+    results = run_distributed(checks.replica_consistency, 4, REPLICA_LAYOUTS[layout], ["mzhybrid", "zhybrid"], 3,
+                              ranks_per_node=2, timeout_s=600)
+    for rank, by_policy in enumerate(results):
+        for policy in ("mzhybrid", "zhybrid"):
+            r = by_policy[policy]
+            assert r["finite"] and r["uses_compared"] > 0 and r["mismatches"] == 0, (layout, rank, policy, r)
+            assert abs(r["losses"][-1] - by_policy["absent"]["losses"][-1]) < 0.05 * by_policy["absent"]["losses"][-1]
 
 
 # Every layout of the integration tests, with the flags that change how weights reach the modules.

@@ -141,7 +141,7 @@ def main() -> None:
         ax.plot(range(1, len(losses) + 1), smooth, label=f"{name} (valid {r['valid_loss']:.4f})")
     ax.set_xlabel("iteration")
     ax.set_ylabel(f"training LM loss (moving average over {window})")
-    ax.set_title(f"megatron_zpp convergence: {title}, {machine_name()}")
+    ax.set_title(f"megatron_zpp convergence: {title}, {machine_name()}", fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

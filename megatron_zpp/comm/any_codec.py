@@ -17,12 +17,18 @@ interface here, whole payloads at a time, with the same algorithms and the same 
 Payload sizes. A fixed-size codec (ZFP: ``codec.fixed_size``) has payloads of
 ``codec.wire_bytes(numel)`` bytes, known to both sides from the shapes: no size message. A
 variable-size codec (lossless containers) sends only its true bytes, so the receiver must learn
-them first: **one batched size exchange per hop** (an all-to-all or all-gather of one int64 per
-rank), then the payloads with those split sizes. Reading the sizes is a host synchronization on
-a GPU, one per hop of each call, not one per tensor; a whole-bucket hop is the unit. The
-all-gather pads every payload to the largest one (``all_gather_into_tensor`` needs equal sizes),
-and the bytes counted are the padded ones, the bytes that really travel. Size messages are
-counted too.
+them first: **one batched size exchange per hop**. The lengths are read from the container headers
+on the device, exchanged (an all-to-all or all-gather of one int64 per rank) and read once by the
+host, with the lengths sent: one host synchronization per hop of each call on a GPU, not one per
+tensor. The all-gather pads every payload to the largest one (``all_gather_into_tensor`` needs
+equal sizes), and the bytes counted are the padded ones, the bytes that really travel. Size
+messages are counted too.
+
+What this costs on a GPU (not run here: no GPU): that host read waits for the compute queued
+before the call and for every peer to reach it, so with a variable-size codec a collective's
+first step blocks the host (the CPU's run-ahead is lost where Megatron overlaps bucket
+reductions with backward), and decoding validates each container's header with a small
+device-to-host read per payload. Fixed-size codecs (ZFP, INT8/INT4) do neither.
 
 NaN/Inf: ZFP decodes a block holding NaN or Inf to NaN and lossless codecs return the input
 exactly, so a non-finite gradient stays non-finite through the sum and Megatron's found-inf
@@ -35,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_zpp.compression import Packed
+from megatron_zpp.compression.container import payload_lengths
 from megatron_zpp.comm._common import WireFormat, wait
 from megatron_zpp.comm.stats import comm_stats, comm_timers
 from megatron_zpp.comm.topology import Scratch, Topology, _GroupInfo
@@ -43,13 +50,10 @@ _SIZE_BYTES = 8  # one int64 per size message
 
 
 def encode(fmt: WireFormat, x: torch.Tensor) -> torch.Tensor:
-    """``x`` encoded: a flat uint8 tensor of exactly the payload's bytes."""
+    """``x`` encoded: a flat uint8 tensor. Variable-size codecs may return a longer buffer than the
+    payload (on a GPU, the worst case); the exchanges below read the true length from its header."""
     with comm_timers().codec():
-        packed = fmt.codec.encode(x)
-        payload = packed.payload.view(-1)
-        if not fmt.codec.fixed_size:
-            payload = payload[:fmt.codec.payload_nbytes(packed)]
-    return payload
+        return fmt.codec.encode(x).payload.view(-1)
 
 
 def decode(fmt: WireFormat, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -79,17 +83,18 @@ def all_to_all_payloads(group: _GroupInfo, payloads: list[torch.Tensor], fixed: 
     ``raw_bytes``: one destination's uncompressed bytes, for the counters."""
     size = group.size
     device = payloads[0].device
-    send_sizes = [p.numel() for p in payloads]
     if group.group is None:
         return None, [payloads[0]]
     if fixed:
-        recv_sizes = send_sizes
+        send_sizes = recv_sizes = [p.numel() for p in payloads]
         size_bytes = 0
     else:
-        sizes = torch.tensor(send_sizes, dtype=torch.int64, device=device)
+        sizes = payload_lengths(payloads)
         recv = torch.empty_like(sizes)
         dist.all_to_all_single(recv, sizes, group=group.group)
-        recv_sizes = recv.tolist()  # the one host sync of this hop (module docstring)
+        both = torch.cat([sizes, recv]).tolist()  # the one host sync of this hop (module docstring)
+        send_sizes, recv_sizes = both[:size], both[size:]
+        payloads = [p[:n] for p, n in zip(payloads, send_sizes)]
         size_bytes = _SIZE_BYTES
     send = torch.cat(payloads)
     received = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
@@ -107,18 +112,18 @@ def all_gather_payload(group: _GroupInfo, payload: torch.Tensor, fixed: bool, ta
     size = group.size
     if group.group is None:
         return None, [payload]
-    n = payload.numel()
     if fixed:
-        sizes, padded_len, size_bytes = [n] * size, n, 0
+        sizes, padded_len, size_bytes = [payload.numel()] * size, payload.numel(), 0
     else:
-        mine = torch.tensor([n], dtype=torch.int64, device=payload.device)
         everyone = torch.empty(size, dtype=torch.int64, device=payload.device)
-        dist.all_gather_into_tensor(everyone, mine, group=group.group)
+        dist.all_gather_into_tensor(everyone, payload_lengths([payload]), group=group.group)
         sizes = everyone.tolist()  # the one host sync of this gather (module docstring)
         padded_len, size_bytes = max(sizes), _SIZE_BYTES
-        if padded_len != n:
+        if payload.numel() >= padded_len:  # a worst-case buffer: the bytes past the payload are the padding
+            payload = payload[:padded_len]
+        else:
             padded = torch.zeros(padded_len, dtype=torch.uint8, device=payload.device)
-            padded[:n].copy_(payload)
+            padded[:payload.numel()].copy_(payload)
             payload = padded
     gathered = torch.empty(size * padded_len, dtype=torch.uint8, device=payload.device)
     work = dist.all_gather_into_tensor(gathered, payload, group=group.group, async_op=True)

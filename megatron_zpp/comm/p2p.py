@@ -4,8 +4,9 @@ A fixed-size codec's payload size follows from the tensor's shape, which both pi
 know, so no size message is needed: the sender encodes into a payload, the receiver posts a
 receive of ``payload_bytes(numel)`` bytes and decodes into its tensor when the request is waited
 on. A variable-size (lossless) codec sends its true length first: the hook exchanges one int64
-per direction, waits for it (a host sync on a GPU, one per p2p call), then posts the payloads
-(``megatron/model_parallel.py``).
+per direction, waits for it, then posts the payloads (``megatron/model_parallel.py``). On a GPU
+that is host synchronization per p2p call (the size exchange) plus small device-to-host reads of
+each container header (the sender's length, the receiver's validation): not run here (no GPU).
 """
 
 from __future__ import annotations

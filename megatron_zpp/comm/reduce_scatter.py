@@ -92,6 +92,9 @@ def qgz_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topo
     if inter_fmt.compressed != intra_fmt.compressed:
         raise ValueError(f"{what}: codec={inter_fmt.spec!r} and intra_codec={intra_fmt.spec!r} must both be "
                          "'none' or both be compressing codecs")
+    if inter_fmt.compressed and inter_fmt.generic != intra_fmt.generic:
+        raise ValueError(f"{what}: codec={inter_fmt.spec!r} and intra_codec={intra_fmt.spec!r} must both be "
+                         "blockwise (int8/int4, fused kernels) or both not (ZFP, lossless: any_codec.py)")
     if inter_fmt.compressed:
         check_float("input", input, what)
     if residual is not None:
@@ -102,7 +105,7 @@ def qgz_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topo
         return CommHandle(lambda: None) if async_op else None
 
     groups = topology._groups
-    if inter_fmt.generic or intra_fmt.generic:
+    if inter_fmt.generic:
         # ZFP / lossless: whole payloads through the codec interface (any_codec.py), one stage.
         if stages != 1:
             raise ValueError(f"{what}: stages={stages} needs blockwise codecs (int8/int4); "

@@ -58,6 +58,9 @@ class Codec(abc.ABC):
     #: True when every payload is exactly ``wire_bytes(numel, dtype)`` bytes; False when the length
     #: depends on the data and ``wire_bytes`` is an upper bound (module docstring).
     fixed_size: bool = True
+    #: Device types the codec runs on (``zstd`` is CPU-only, ``nvcomp`` CUDA-only): policies check it
+    #: when hooks are installed, not at the first collective, where one failing rank leaves peers waiting.
+    devices: tuple[str, ...] = ("cpu", "cuda")
 
     @abc.abstractmethod
     def encode(self, x: torch.Tensor) -> Packed:

@@ -50,6 +50,7 @@ from megatron_zpp.compression.reference import _mix32, _mul32
 MAGIC = b"ZPPC"
 VERSION = 1
 HEADER_BYTES = 32
+LENGTH_OFFSET = 16  # the "payload bytes" field: int64 little-endian
 CHECKSUM_OFFSET = 28
 CHECKSUM_WORD = CHECKSUM_OFFSET // 4
 GOLDEN32 = 0x9E3779B9
@@ -251,4 +252,15 @@ class ContainerCodec(Codec):
         if len(raw) < HEADER_BYTES:
             raise PayloadError(f"{self.spec}: payload is truncated: {len(raw)} bytes, the container header alone "
                                f"is {HEADER_BYTES}")
-        return int.from_bytes(raw[16:24], "little")
+        return int.from_bytes(raw[LENGTH_OFFSET:LENGTH_OFFSET + 8], "little")
+
+
+def payload_lengths(payloads: list[torch.Tensor]) -> torch.Tensor:
+    """The true lengths of container payloads as an int64 tensor on their device, read from their
+    headers without a host synchronization (a collective can exchange it, then read it once)."""
+    for p in payloads:
+        if p.numel() < HEADER_BYTES:
+            raise PayloadError(f"payload is truncated: {p.numel()} bytes, the container header alone is "
+                               f"{HEADER_BYTES}")
+    fields = torch.stack([p[LENGTH_OFFSET:LENGTH_OFFSET + 8] for p in payloads])
+    return fields.view(torch.int64).view(-1)  # a native-order view: CPUs and GPUs we run on are little-endian

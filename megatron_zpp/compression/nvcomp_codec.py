@@ -68,6 +68,7 @@ def _word_type(dtype: torch.dtype) -> str:
 
 class NvcompCodec(ContainerCodec):
     """``nvcomp[:algo=A]``: lossless, CUDA tensors only (see the module docstring; not run here)."""
+    devices = ("cuda",)
 
     def __init__(self, config: NvcompConfig, spec: str) -> None:
         # No nvCOMP import here: a policy naming nvcomp must still parse on a machine without it.

@@ -89,6 +89,7 @@ def _map(fn, items):
 
 class ZstdCodec(ContainerCodec):
     """``zstd[:level=L]``: lossless, CPU tensors only; byte grouping then zstd per 1 MiB plane chunk."""
+    devices = ("cpu",)
 
     def __init__(self, config: ZstdConfig, spec: str) -> None:
         _zstandard()  # fail at construction, with the install hint, when the package is missing

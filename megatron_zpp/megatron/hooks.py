@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from megatron_zpp.comm import (HpzShard, Topology, comm_timers, compressed_all_reduce, hpz_all_gather,
                                qgz_reduce_scatter, quantized_all_gather, record_torch_collective, set_rounding_epoch)
-from megatron_zpp.policy import Policy, check_policy_agreement
+from megatron_zpp.policy import Policy, check_policy_agreement, check_policy_devices
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,9 @@ class MegatronHooks:
         self._saved: dict[str, object] = {}
         self._timed_methods: list[tuple[type, str, object]] = []
         self.installed = False
+        # Where the tensors the policy's codecs see live: the trainer sets it from its device; Megatron-LM's
+        # script trains on CUDA whenever there is one.
+        self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
 
     # ------------------------------------------------------------------ schedule
     def set_iteration(self, iteration: int, train_iters: int) -> None:
@@ -140,6 +143,7 @@ class MegatronHooks:
         if _ACTIVE is not None:
             raise RuntimeError("another MegatronHooks is installed in this process (policy "
                                f"{_ACTIVE.policy.name!r}); uninstall() it first: two would wrap each other")
+        check_policy_devices(self.policy, self.device_type)  # before anything is patched
         try:
             self._install(pgb)
         except BaseException:

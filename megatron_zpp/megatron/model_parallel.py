@@ -112,6 +112,10 @@ class ModelParallelHooks:
                            **where)
             for req in (reqs.values() if isinstance(reqs, dict) else reqs):
                 req.wait()
+            if any(t.is_cuda for t in list(size_sends.values()) + list(size_recvs.values())):
+                # Two batch_isend_irecv back to back on one communicator: Megatron's _communicate_shapes
+                # synchronizes here against a known race; so do we (not run: no GPU here).
+                torch.cuda.synchronize()
             return {key: int(t.item()) for key, t in size_recvs.items()}
 
         def batched(**kwargs):

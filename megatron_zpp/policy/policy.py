@@ -145,6 +145,11 @@ def resolve_policy(config: ZppConfig) -> Policy:
     stages = config.qgz_stages if config.qgz_stages is not None else data.get("qgz_stages", 1)
     if not isinstance(stages, int) or stages < 1:
         raise ValueError(f"policy {name!r}: qgz_stages={stages!r} must be a positive integer")
+    if intra is not None and intra != "none" and \
+            (_family(intra) in BLOCKWISE_CODECS) != (_family(codecs["dp.grad"]) in BLOCKWISE_CODECS):
+        # the two hops run on one path: the fused kernels, or the codec interface (comm/any_codec.py)
+        raise ValueError(f"policy {name!r}: dp_grad_intra={intra!r} and dp.grad={codecs['dp.grad']!r} must both "
+                         f"be blockwise ({', '.join(BLOCKWISE_CODECS[1:])}) or both not")
     if hpz != 1 and _family(codecs["dp.param"]) not in BLOCKWISE_CODECS:
         raise ValueError(f"policy {name!r}: hpz_size={'node' if hpz is None else hpz} keeps the weight gather's "
                          f"packed rows, which needs dp.param in {', '.join(BLOCKWISE_CODECS)}; dp.param is "
@@ -173,6 +178,16 @@ def resolve_policy(config: ZppConfig) -> Policy:
     return Policy(name=name, codecs=codecs, dp_grad_intra=intra, hpz_size=hpz, ranks_per_node=rpn,
                   qgz_stages=stages, dp_grad_until=float(until), dp_uncompressed=route, error_feedback=feedback,
                   description=str(data.get("description", "")))
+
+
+def check_policy_devices(policy: Policy, device_type: str) -> None:
+    """Fail, naming the dimension, if a codec of ``policy`` cannot run on ``device_type`` ("cpu"/"cuda")."""
+    for dim, spec in policy.codecs.items():
+        codec = get_codec(spec)
+        if device_type not in codec.devices:
+            raise ValueError(f"policy {policy.name!r} {dim}: codec {spec!r} runs on {', '.join(codec.devices)} "
+                             f"tensors, and this run's are on {device_type}; pick another codec for {dim} "
+                             "(e.g. mpc, lossless on CPU and CUDA)")
 
 
 def check_policy_agreement(policy: Policy, group=None) -> None:

@@ -128,6 +128,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
     # The same path as Megatron-LM's script (install_from_args): the dp.grad schedule reads
     # args.curr_iteration, which the loop below sets as Megatron-LM's does.
     hooks = hooks_from_args(args)
+    hooks.device_type = device.type
     policy = hooks.policy
     if plugin:
         hooks.install()
