@@ -2,8 +2,8 @@
 
 Pipeline (``pp``): ``p2p_communication._batched_p2p_ops`` / ``_p2p_ops`` (looked up by
 ``P2PCommunicator`` at call time) are wrapped: sends are encoded, receives post payload buffers
-of the size the known shape implies, and the returned requests decode into Megatron's receive
-tensors in ``wait()``. This covers every schedule, interleaved and overlapped p2p included,
+of the size the known shape implies (a variable-size codec sends its lengths first, one int64 per
+direction), and the returned requests decode into Megatron's receive tensors in ``wait()``. This covers every schedule, interleaved and overlapped p2p included,
 since they all wait on these requests before reading.
 
 Tensor (``tp``): the collectives of ``tensor_parallel.mappings`` (``_reduce`` all-reduce, the
