@@ -15,6 +15,8 @@
 
 #include <stdint.h>
 
+#include "zpp/quant_math.h"
+
 #if defined(__CUDACC__)
 #define ZPP_MPC_HD __host__ __device__ __forceinline__
 #else
@@ -36,14 +38,7 @@ constexpr int kMpcBodyOffset = kHeaderBytes + 4 * kMpcSizes;
 
 enum DtypeCode : int { kFloat32 = 1, kBFloat16 = 2, kFloat16 = 3 };
 
-ZPP_MPC_HD uint32_t mix32(uint32_t x) {  // the bijective hash of quant_math.h (lowbias32)
-  x ^= x >> 16;
-  x *= 0x7feb352dU;
-  x ^= x >> 15;
-  x *= 0x846ca68bU;
-  x ^= x >> 16;
-  return x;
-}
+using zpp::mix32;  // the bijective hash of quant_math.h (lowbias32), one definition for both codecs
 
 // One word's term of ZPP-sum32: the checksum is the sum (mod 2^32) of these over the payload's
 // words, word kChecksumWord read as 0. Bijective in w, keyed by the word index.
