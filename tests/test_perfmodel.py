@@ -1,6 +1,7 @@
 """The analytical performance model and the advisor: formulas, byte accounting against comm's, trends, YAML."""
 
 import dataclasses
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -265,3 +266,24 @@ def test_import_pulls_in_nothing_distributed():
             "bad = [m for m in sys.modules if m.startswith(('megatron_zpp.comm', 'megatron_zpp.megatron', "
             "'megatron.core', 'megatron_zpp.training'))]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_hybrid_presets_with_interface_codecs():
+    """ZFP is fixed-size (its exact wire bytes); a lossless codec's bytes come from the cluster's measured
+    ratio for the tensor's width, and a cluster without one gets an error naming the field to measure."""
+    lossless = CodecThroughput(quantize=1e9, dequantize=1e9, ratio_fp32=1.1, ratio_16bit=1.25)
+    cluster = _cluster(codec_throughput={**_cluster().codec_throughput, "mpc": lossless,
+                                         "zfp": CodecThroughput(quantize=2e9, dequantize=2e9)})
+    assert C.wire_bytes("zfp:rate=8", 1024, 4, cluster) == get_codec("zfp:rate=8").wire_bytes(1024) == 1024
+    assert C.wire_bytes("mpc", 1000, 4, cluster) == math.ceil(4000 / 1.1)
+    assert C.wire_bytes("mpc", 1000, 2, cluster) == math.ceil(2000 / 1.25)
+    with pytest.raises(ValueError, match="mpc.*measured ratio on 16-bit data.*codec_throughput.mpc.ratio_16bit"):
+        C.wire_bytes("mpc", 1000, 2, _cluster(codec_throughput={"mpc": CodecThroughput(quantize=1, dequantize=1,
+                                                                                         ratio_fp32=1.1)}))
+    from megatron_zpp.perfmodel import load_workload, predict
+
+    workload = load_workload(ROOT / "configs/workloads/tiny-gpt-2x2.yaml")
+    tp2 = dataclasses.replace(workload, layout=dataclasses.replace(workload.layout, tp=2, dp=workload.layout.dp // 2))
+    results = {name: predict(cluster, tp2, name) for name in ("fair", "mzhybrid", "zhybrid", "hybrid")}
+    # every preset sends fewer cross-node bytes than the uncompressed baseline
+    assert all(results[n].inter_bytes < results["fair"].inter_bytes for n in ("mzhybrid", "zhybrid", "hybrid"))

@@ -249,7 +249,8 @@ def cluster_yaml(fields: dict, c: Calibration | None = None) -> str:
                                                    ", background ended early: a lower bound") + ")" if c else ""))
     lines.append("codec_throughput:               # bytes of fp32 input (quantize) / output (dequantize) per second")
     for name, t in fields["codec_throughput"].items():
-        lines.append(f"  {name}: {{quantize: {_num(t['quantize'])}, dequantize: {_num(t['dequantize'])}}}")
+        ratios = "".join(f", {k}: {t[k]:.4f}" for k in ("ratio_fp32", "ratio_16bit") if t.get(k) is not None)
+        lines.append(f"  {name}: {{quantize: {_num(t['quantize'])}, dequantize: {_num(t['dequantize'])}{ratios}}}")
     lines += [f"reduce_throughput: {_num(fields['reduce_throughput'])}  # fp32 sum of received chunks, bytes in/s",
               f"optimizer_params_per_s: {_num(fields['optimizer_params_per_s'])}  # Adam on fp32, all ranks at once",
               f"optimizer_overhead_s: {_num(fields['optimizer_overhead_s'])}    # Adam fixed part"
@@ -634,6 +635,31 @@ class Worker:
             q = self.local_median(lambda: ops.quantize_rows_(x, packed, bits, block), reps=7)
             d = self.local_median(lambda: ops.dequantize_rows_(packed, out, bits, block), reps=7)
             result[name] = {"quantize": self.mean_over_ranks(4 * n / q), "dequantize": self.mean_over_ranks(4 * n / d)}
+        result.update(self.interface_codecs(x))
+        return result
+
+    def interface_codecs(self, x) -> dict[str, dict[str, float]]:
+        """The codecs the collectives run through the codec interface (comm/any_codec.py): ZFP at rate 8
+        (the hybrid presets' gradient rate; other rates are within ~20%), and the lossless ones with their
+        ratios on Gaussian fp32 and bf16 data (a conservative stand-in for training tensors:
+        docs/codec-quality.md measured 1.1-1.4x higher on captured ones)."""
+        from megatron_zpp.compression import get_codec
+
+        result = {}
+        for name, spec in (("zfp", "zfp:rate=8"), ("mpc", "mpc"), ("zstd", "zstd")):
+            codec = get_codec(spec)
+            if self.device.type not in codec.devices:
+                continue
+            packed = codec.encode(x)
+            e = self.local_median(lambda: codec.encode(x), reps=5)
+            d = self.local_median(lambda: codec.decode(packed), reps=5)
+            entry = {"quantize": self.mean_over_ranks(4 * x.numel() / e),
+                     "dequantize": self.mean_over_ranks(4 * x.numel() / d)}
+            if not codec.fixed_size:
+                half = x.to(self.torch.bfloat16)
+                entry["ratio_fp32"] = 4 * x.numel() / codec.payload_nbytes(packed)
+                entry["ratio_16bit"] = 2 * x.numel() / codec.payload_nbytes(codec.encode(half))
+            result[name] = entry
         return result
 
     def reduce_throughput(self) -> float:

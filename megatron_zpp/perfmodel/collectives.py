@@ -9,6 +9,7 @@ group; the model multiplies by the number of such groups in the job. Every funct
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 from megatron_zpp.compression import get_codec, layout
@@ -95,11 +96,20 @@ def codec_name(spec: str) -> str:
     return spec.split(":")[0]
 
 
-def wire_bytes(spec: str, numel: int, dtype_bytes: int) -> int:
-    """Exact payload bytes of ``numel`` elements under codec ``spec`` (the codec's own ``wire_bytes``)."""
+def wire_bytes(spec: str, numel: int, dtype_bytes: int, cluster: ClusterSpec | None = None) -> int:
+    """Payload bytes of ``numel`` elements under codec ``spec``: exact for fixed-size codecs (the codec's
+    own ``wire_bytes``); for variable-size ones (lossless), the raw bytes over the cluster's measured ratio."""
     if spec == "none":
         return numel * dtype_bytes  # the identity codec's bytes, without building a torch dtype
-    return _codec(spec).wire_bytes(numel)
+    codec = _codec(spec)
+    if codec.fixed_size:
+        return codec.wire_bytes(numel)
+    ratio = cluster.codec(codec_name(spec)).ratio(dtype_bytes) if cluster is not None else None
+    if ratio is None:
+        raise ValueError(f"codec {spec!r} has data-dependent payloads: the model needs its measured ratio on "
+                         f"{'fp32' if dtype_bytes >= 4 else '16-bit'} data (codec_throughput.{codec_name(spec)}."
+                         f"ratio_{'fp32' if dtype_bytes >= 4 else '16bit'} in the cluster file; tools/calibrate.py)")
+    return math.ceil(numel * dtype_bytes / ratio)
 
 
 def _codec_time(cluster: ClusterSpec, spec: str, quantize_bytes: float, dequantize_bytes: float) -> float:
@@ -147,7 +157,7 @@ def _a2a_inter(cluster: ClusterSpec, group: Group, peers: int, per_rank_bytes: i
 def all_gather(cluster: ClusterSpec, group: Group, shard_numel: int, spec: str, dtype_bytes: int) -> Cost:
     """Ring all-gather of ``shard_numel``-element shards: torch's, or ``quantized_all_gather`` (qwZ) when
     ``spec`` compresses. Each rank quantizes its shard and decodes all ``size`` rows."""
-    row = wire_bytes(spec, shard_numel, dtype_bytes)
+    row = wire_bytes(spec, shard_numel, dtype_bytes, cluster)
     cost = ring(cluster, group, group.size - 1, row)
     raw = shard_numel * dtype_bytes
     cost.codec_s = _codec_time(cluster, spec, raw, group.size * raw)
@@ -159,7 +169,7 @@ def hpz_gather(cluster: ClusterSpec, group: Group, hpz: int, shard_numel: int, s
     of the forward gather's rows (``size / hpz`` rows each); all intra-node, decode only."""
     if group.node_size % hpz:
         raise ValueError(f"hpz_size={hpz} must divide the {group.node_size} data-parallel ranks per node")
-    part = (group.size // hpz) * wire_bytes(spec, shard_numel, dtype_bytes)
+    part = (group.size // hpz) * wire_bytes(spec, shard_numel, dtype_bytes, cluster)
     sub = Group(tuple([0] * hpz), 1, 1)  # one node: what matters is that no step crosses nodes
     cost = ring(cluster, sub, hpz - 1, part)
     cost.intra_bytes = cost.intra_bytes * group.size // hpz  # every hpZ subgroup of the group sends
@@ -198,7 +208,8 @@ def hierarchical_reduce_scatter(cluster: ClusterSpec, group: Group, shard_numel:
     stages = max(1, min(stages, shard_numel))
     slice_len = layout.ceil_div(shard_numel, stages)
     first_spec = intra_spec if node_size > 1 else spec
-    row1, row2 = wire_bytes(first_spec, slice_len, dtype_bytes), wire_bytes(spec, slice_len, dtype_bytes)
+    row1, row2 = (wire_bytes(first_spec, slice_len, dtype_bytes, cluster),
+                  wire_bytes(spec, slice_len, dtype_bytes, cluster))
     two_hops = node_size > 1 and nodes > 1
     cost = Cost()
     # Hop 1 runs inside the node, or, with one member per node, directly across nodes.
@@ -236,7 +247,7 @@ def p2p(cluster: ClusterSpec, crosses_nodes: bool, senders_per_node: int, numel:
         dtype_bytes: int) -> Cost:
     """One pipeline send of ``numel`` activations (``comm.p2p``), with ``senders_per_node`` ranks of a node
     sending at once across its NICs."""
-    payload = wire_bytes(spec, numel, dtype_bytes)
+    payload = wire_bytes(spec, numel, dtype_bytes, cluster)
     raw = numel * dtype_bytes
     codec = _codec_time(cluster, spec, raw, raw)
     if crosses_nodes:

@@ -27,10 +27,21 @@ class CodecThroughput:
     """Bytes/s of *uncompressed* input encoded (e.g. fp32 bytes in / seconds)."""
     dequantize: float
     """Bytes/s of *uncompressed* output decoded."""
+    ratio_fp32: float | None = None
+    """Variable-size (lossless) codecs: measured compression ratio, raw / payload bytes, on fp32 data.
+    Fixed-size codecs leave it unset (their payload size follows from the shape)."""
+    ratio_16bit: float | None = None
+    """The same on bf16 data (16-bit tensors compress differently: their exponent byte is half the bytes)."""
 
     def __post_init__(self) -> None:
         for name in CODEC_OPS:
             _positive(f"codec throughput {name}", getattr(self, name))
+        for name in ("ratio_fp32", "ratio_16bit"):
+            if getattr(self, name) is not None:
+                _positive(f"codec {name}", getattr(self, name))
+
+    def ratio(self, dtype_bytes: int) -> float | None:
+        return self.ratio_fp32 if dtype_bytes >= 4 else self.ratio_16bit
 
 
 @dataclass(kw_only=True)
