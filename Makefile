@@ -24,7 +24,8 @@ TRAIN_ARGS ?= --use-distributed-optimizer --overlap-grad-reduce --overlap-param-
 	--zpp-policy zeropp --zpp-ranks-per-node 2 \
 	--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256 \
 	--micro-batch-size 4 --global-batch-size 32 --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 8 \
-	--train-iters 80 --log-interval 10
+	--lr-decay-style cosine --adam-beta2 0.95 --hidden-dropout 0.0 --attention-dropout 0.0 \
+	--train-iters 80 --log-interval 10 --eval-iters 4
 
 train: $(STAMP)
 	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) pretrain_gpt.py $(TRAIN_ARGS) $(ARGS)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from megatron_zpp.policy import ZppConfig, check_policy_agreement, resolve_policy
+from megatron_zpp.training.arguments import PROJECT_RECIPE
 from megatron_zpp.training.trainer import pretrain
 
-SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+SMALL = PROJECT_RECIPE + ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--micro-batch-size", "2", "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "constant",
          "--log-interval", "1000"]
 
@@ -228,3 +229,26 @@ def schedule_through_curr_iteration(iterations: int) -> list[str]:
     finally:
         hooks_module.MegatronHooks._reduce_scatter_grads = original
     return seen
+
+
+def megatron_lm_flags(iterations: int) -> dict:
+    """The flags added for Megatron-LM parity, each run short on this world."""
+    base = SMALL + ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+                    "--train-iters", str(iterations), "--zpp-ranks-per-node", "1"]
+    lines: list[str] = []
+
+    def collect(*args, **kwargs):
+        lines.append(" ".join(str(a) for a in args))
+
+    out = {"plain": pretrain(base, log=_quiet)["losses"]}
+    out["selective"] = pretrain(base + ["--recompute-activations"], log=_quiet)["losses"]
+    out["full"] = pretrain(base + ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                   "--recompute-num-layers", "1"], log=_quiet)["losses"]
+    out["init_std"] = pretrain(base + ["--init-method-std", "0.05"], log=_quiet)["losses"]
+    run = pretrain(base + ["--eval-interval", "2"], log=collect)
+    out["eval_lines"] = [line for line in lines if "validation loss at iteration" in line]
+    out["eval_losses"] = run["losses"]
+    out["exit"] = pretrain(base + ["--exit-interval", "3"], log=_quiet)["losses"]
+    fp16 = pretrain(base + ["--fp16", "--initial-loss-scale", "4096"], log=_quiet)
+    out["fp16"] = {"losses": fp16["losses"], "finite": fp16["finite"]}
+    return out

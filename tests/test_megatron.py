@@ -368,3 +368,17 @@ def test_replicas_compute_with_identical_weights_at_every_use(layout):
             assert r["finite"], (layout, policy)
             assert r["uses_compared"] > 0 and r["mismatches"] == 0, (layout, rank, policy, r["first_mismatches"])
         assert by_policy["none"]["losses"] == by_policy["absent"]["losses"], (layout, by_policy)
+
+
+def test_megatron_lm_training_flags():
+    """Recomputation changes no number (selective and full give the plain run's losses bit for bit);
+    --init-method-std changes the start; --eval-interval evaluates mid-run (with overlapped parameter
+    gathers) without changing training; --exit-interval stops early; --fp16 trains with loss scaling."""
+    r = run_distributed(checks.megatron_lm_flags, 2, 5, ranks_per_node=1, timeout_s=600)[0]
+    print("\n", {k: v for k, v in r.items()})
+    assert r["selective"] == r["plain"] and r["full"] == r["plain"], r
+    assert r["init_std"][0] != r["plain"][0]
+    assert r["eval_losses"] == r["plain"] and len(r["eval_lines"]) == 2, r["eval_lines"]  # iterations 2 and 4
+    assert r["exit"] == r["plain"][:3]
+    fp16 = r["fp16"]
+    assert fp16["finite"] and len(fp16["losses"]) == 5 and fp16["losses"][-1] < fp16["losses"][0], fp16

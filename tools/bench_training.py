@@ -36,9 +36,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
+from megatron_zpp.training.arguments import PROJECT_RECIPE  # noqa: E402
+
 # The make-train model: 4 layers, hidden 256, sequence 256, global batch 32, fp32 (bf16 GEMMs on
 # CPU take ~45 s/iteration and would hide every link effect).
-MODEL_ARGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
+MODEL_ARGS = PROJECT_RECIPE + ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
               "--micro-batch-size", "4", "--global-batch-size", "32", "--lr", "1e-3", "--min-lr", "1e-4",
               "--lr-warmup-iters", "2", "--eval-iters", "0",
               # ~7 buckets of the 3.3M parameters (Megatron's default makes one, which no collective can

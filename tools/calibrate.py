@@ -47,6 +47,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
+from megatron_zpp.training.arguments import PROJECT_RECIPE  # noqa: E402
+
 DEFAULT_SIZES = "64K,256K,1M,4M,8M"
 # Benchmark model of tools/bench_training.py (configs/workloads/tiny-gpt-2x2.yaml).
 DEFAULT_LAYER = dict(hidden=256, heads=8, seq_length=256, micro_batch=4)
@@ -790,7 +792,7 @@ def measure_iteration(a, processes: int) -> dict:
                          f"tp={lay.tp}, pp={lay.pp}")
     micro = lay.global_batch // (lay.micro_batch * lay.dp)
     work = Path(tempfile.mkdtemp(prefix="calibrate-iteration"))
-    argv = ["--num-layers", m.layers, "--hidden-size", m.hidden, "--num-attention-heads", m.heads,
+    argv = PROJECT_RECIPE + ["--num-layers", m.layers, "--hidden-size", m.hidden, "--num-attention-heads", m.heads,
             "--seq-length", m.seq_length, "--micro-batch-size", lay.micro_batch,
             "--global-batch-size", lay.micro_batch * micro, "--train-iters", a.iteration_iters,
             "--eval-iters", 0, "--log-interval", 1000] + (["--bf16"] if lay.param_bytes == 2 else [])

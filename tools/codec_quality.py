@@ -61,6 +61,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from bench_codecs import timed_seconds  # noqa: E402
 
+from megatron_zpp.training.arguments import PROJECT_RECIPE  # noqa: E402
 from megatron_zpp.compression import get_codec  # noqa: E402
 from megatron_zpp.compression.zfp_reference import bits_equal, zfpy_stream, zfpy_values  # noqa: E402
 from megatron_zpp.testing import run_distributed  # noqa: E402
@@ -71,10 +72,10 @@ ZFP_RATES = (4, 8, 16, 32)
 ZFP_DIMS = (1, 2, 3)  # as tests/test_zfp.py
 # The tiny GPT of tools/convergence.py; 2 layers = one per pipeline stage. Two micro-batches per
 # iteration so that the pipeline runs a real 1F1B schedule (sends in both directions).
-MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
+MODEL = PROJECT_RECIPE + ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
          "--micro-batch-size", "4", "--global-batch-size", "8"]
 # The fastest run that still has every kind (tests).
-TINY_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+TINY_MODEL = PROJECT_RECIPE + ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
               "--micro-batch-size", "2", "--global-batch-size", "4"]
 LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_zpp.training.arguments import PROJECT_RECIPE  # noqa: E402
 from megatron_zpp.testing import run_distributed  # noqa: E402
 
 RUNS = {
@@ -59,7 +60,7 @@ STUDIES = {
 
 
 def model_args(steps: int, ranks_per_node: int, layout: list[str]) -> list[str]:
-    return layout + ["--bf16", "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
+    return PROJECT_RECIPE + layout + ["--bf16", "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
             "--seq-length", "128", "--micro-batch-size", "4", "--global-batch-size", "16", "--lr", "1e-3",
             "--min-lr", "1e-4", "--lr-warmup-iters", str(max(1, steps // 10)), "--train-iters", str(steps),
             "--eval-iters", "16", "--log-interval", str(max(1, steps // 6)), "--seed", "1234",

@@ -52,17 +52,20 @@ def _build_model(args, device):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, sequence_parallel=args.sequence_parallel,
-        params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16, use_cpu_initialization=device.type == "cpu",
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16, fp16=args.fp16,
+        use_cpu_initialization=device.type == "cpu", init_method_std=args.init_method_std,
+        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
         gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        batch_p2p_comm=not args.overlap_p2p_communication, overlap_p2p_comm=args.overlap_p2p_communication)
+        batch_p2p_comm=not args.overlap_p2p_comm, overlap_p2p_comm=args.overlap_p2p_comm)
     divisor = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     padded_vocab = math.ceil(VOCAB_SIZE / divisor) * divisor
     vpp = args.virtual_pipeline_model_parallel_size
@@ -77,10 +80,10 @@ def _build_model(args, device):
                          position_embedding_type="learned_absolute", vp_stage=stage)
         if device.type == "cuda":
             model.cuda(device)
-        if args.bf16:
+        if args.bf16 or args.fp16:
             from megatron.core.transformer.module import Float16Module
 
-            model = Float16Module(config, model)  # bf16 weights and activations, fp32 logits (as Megatron-LM)
+            model = Float16Module(config, model)  # 16-bit weights and activations, fp32 logits (as Megatron-LM)
         chunks.append(model)
     return config, chunks
 
@@ -144,7 +147,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=args.overlap_grad_reduce,
             overlap_param_gather=args.overlap_param_gather, use_distributed_optimizer=args.use_distributed_optimizer,
-            bucket_size=args.ddp_bucket_size)
+            bucket_size=args.ddp_bucket_size, align_param_gather=args.align_param_gather)
         if args.use_megatron_fsdp:
             from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
@@ -164,7 +167,10 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                             adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
-                            bf16=args.bf16, params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+                            bf16=args.bf16, fp16=args.fp16, loss_scale=args.loss_scale,
+                            initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
+                            loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
+                            params_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
                             use_distributed_optimizer=args.use_distributed_optimizer or args.use_megatron_fsdp),
             models)
         samples = args.global_batch_size  # Megatron's scheduler counts samples, as it is stepped by them
@@ -214,6 +220,13 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         logger.start(train_data, world)
 
         losses = []
+        valid_batches = None  # one validation stream for every evaluation, as Megatron-LM's
+        if args.eval_iters:
+            valid = TokenWindows(prefix, args.seq_length, "valid", seed=args.seed)
+            streams = [micro_batches(valid, args.global_batch_size, args.micro_batch_size, dp_rank, dp_size)
+                       for _ in models]
+            valid_batches = streams[0] if single else streams
+        last_iteration = args.train_iters
         for iteration in range(start_iteration, args.train_iters):
             args.curr_iteration = iteration
             hooks.sync_iteration()  # schedule and rounding seeds for this step, before any collective
@@ -238,23 +251,31 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
                 from megatron_zpp.training.checkpoint import save_checkpoint
 
                 save_checkpoint(args.save, iteration + 1, models, optimizer, scheduler, hooks)
+            done = iteration + 1
+            if args.exit_interval and done % args.exit_interval == 0 and done < args.train_iters:
+                last_iteration = done
+                if rank == 0:
+                    log(f"> exiting at iteration {done} (--exit-interval {args.exit_interval})")
+                break
+            if args.eval_interval and valid_batches is not None and done % args.eval_interval == 0 \
+                    and done < args.train_iters:
+                loss_now = _evaluate_during_training(args, models, valid_batches, forward_backward, device,
+                                                     parallel_state)
+                if rank == 0:
+                    log(f"> validation loss at iteration {done}: {loss_now:.6f}")
         logger.end_training()  # per-iteration bytes: the loop only, not the final sync and evaluation
         if args.save:
             from megatron_zpp.training.checkpoint import save_checkpoint
 
-            save_checkpoint(args.save, args.train_iters, models, optimizer, scheduler, hooks)
+            save_checkpoint(args.save, last_iteration, models, optimizer, scheduler, hooks)
         if args.use_distributed_optimizer or args.use_megatron_fsdp:
             # Overlap leaves params stale until the next forward, and FSDP keeps them sharded:
             # gather them (with the policy's codec) so replicas can be compared.
             for m in models:
                 m.start_param_sync(force_sync=True)
         valid_loss = None
-        if args.eval_iters:
-            valid = TokenWindows(prefix, args.seq_length, "valid", seed=args.seed)
-            valid_batches = [micro_batches(valid, args.global_batch_size, args.micro_batch_size, dp_rank, dp_size)
-                             for _ in models]
-            valid_loss = evaluate(args, models, valid_batches[0] if single else valid_batches, forward_backward,
-                                  device, parallel_state)
+        if valid_batches is not None:
+            valid_loss = evaluate(args, models, valid_batches, forward_backward, device, parallel_state)
         if replica_check is not None:
             replica_check.remove()
         summary = logger.finish(losses, models, hooks, valid_loss=valid_loss,
@@ -280,6 +301,19 @@ def _all_ranks_finite(optimizer, device) -> bool:
 
 
 @torch.no_grad()
+def _evaluate_during_training(args, models, batches, forward_backward, device, parallel_state) -> float:
+    """``--eval-interval``: with overlapped parameter gathers the weights of the last step are still being
+    gathered; Megatron-LM syncs them (``disable_forward_pre_hook``) for the evaluation, then restores."""
+    hooked = [m for m in models if args.overlap_param_gather and hasattr(m, "disable_forward_pre_hook")]
+    for m in hooked:
+        m.disable_forward_pre_hook(param_sync=True)
+    try:
+        return evaluate(args, models, batches, forward_backward, device, parallel_state)
+    finally:
+        for m in hooked:
+            m.enable_forward_pre_hook()
+
+
 def evaluate(args, models, batches, forward_backward, device, parallel_state) -> float:
     """Mean token loss over ``--eval-iters`` global batches of the validation split (forward only)."""
     for m in models:
