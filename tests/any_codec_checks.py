@@ -215,3 +215,19 @@ def error_feedback_worker(spec: str, steps: int) -> dict:
             "drift_with": float((total_out - total_exact).norm() / total_exact.norm()),
             "drift_without": float((total_plain - total_exact).norm() / total_exact.norm()),
             "residual_norm": float(residual.norm())}
+
+
+def error_feedback_non_finite_worker(spec: str) -> dict:
+    """An Inf in one step's gradient must not poison the residual: the next, finite step is finite."""
+    topo = Topology(None)
+    size, rank, length = topo.size, topo.rank, 512
+    residual = torch.zeros(size * length, dtype=torch.float32)
+    x = data(95, rank, size * length, torch.float32)
+    if rank == size - 1:
+        x[3] = float("inf")
+    out = torch.empty(length, dtype=torch.float32)
+    qgz_reduce_scatter(out, x, topo, codec=spec, residual=residual)
+    first_nonfinite = not bool(torch.isfinite(out[:64]).all()) if rank == 0 else None
+    qgz_reduce_scatter(out, data(96, rank, size * length, torch.float32), topo, codec=spec, residual=residual)
+    return {"inf_reached_owner": first_nonfinite, "next_step_finite": bool(torch.isfinite(out).all()),
+            "residual_finite": bool(torch.isfinite(residual).all())}

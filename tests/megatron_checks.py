@@ -70,8 +70,8 @@ def resume_matches_straight_run(workdir: str, extra: list[str] | None = None) ->
         path = Path(workdir) / "iter_0000004" / f"rank_{dist.get_rank():05d}.pt"
         state = torch.load(path, weights_only=False)
         residuals = state["compression"]["error_feedback_residuals"]
-        out["residual_norms"] = [float(r.norm()) for r in residuals]
-        state["compression"]["error_feedback_residuals"] = [torch.zeros_like(r) for r in residuals]
+        out["residual_norms"] = [float(r.norm()) for r in residuals.values()]
+        state["compression"]["error_feedback_residuals"] = {k: torch.zeros_like(r) for k, r in residuals.items()}
         torch.save(state, path)
         dist.barrier()
         out["resumed_without_residuals"] = pretrain(base + ["--load", workdir], log=_quiet)["losses"]
@@ -252,3 +252,20 @@ def megatron_lm_flags(iterations: int) -> dict:
     fp16 = pretrain(base + ["--fp16", "--initial-loss-scale", "4096"], log=_quiet)
     out["fp16"] = {"losses": fp16["losses"], "finite": fp16["finite"]}
     return out
+
+
+def error_feedback_fsdp(workdir: str) -> dict:
+    """Error feedback on Megatron-FSDP (bucket storage reallocated for every reduction): one residual per
+    bucket whatever the number of iterations, and a resume from a checkpoint continues bit for bit."""
+    from pathlib import Path
+
+    base = SMALL + ["--use-megatron-fsdp", "--bf16", "--overlap-grad-reduce", "--overlap-param-gather",
+                    "--zpp-ranks-per-node", "2", "--zpp-policy", "zeropp", "--zpp-dp-grad-error-feedback"]
+    one = pretrain(base + ["--train-iters", "1"], log=_quiet)
+    straight = pretrain(base + ["--train-iters", "4", "--save", workdir, "--save-interval", "2"], log=_quiet)
+    if dist.get_rank() == 0:
+        (Path(workdir) / "latest").write_text("2")
+    dist.barrier()
+    resumed = pretrain(base + ["--train-iters", "4", "--load", workdir], log=_quiet)
+    return {"buckets_after_1": one["error_feedback_buckets"], "buckets_after_4": straight["error_feedback_buckets"],
+            "straight": straight["losses"][2:], "resumed": resumed["losses"], "finite": straight["finite"]}

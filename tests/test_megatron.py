@@ -178,6 +178,14 @@ def test_save_and_load_resume_bit_exactly(tmp_path):
     assert r["straight"] == r["resumed"] and len(r["resumed"]) == 2, r
 
 
+def test_error_feedback_on_megatron_fsdp(tmp_path):
+    r = run_distributed(checks.error_feedback_fsdp, 4, str(tmp_path), ranks_per_node=2, timeout_s=600)
+    for rank_result in r:
+        names = rank_result["buckets_after_4"]
+        assert names and names == rank_result["buckets_after_1"], rank_result  # one residual per bucket
+        assert rank_result["finite"] and rank_result["resumed"] == rank_result["straight"], rank_result
+
+
 def test_error_feedback_residuals_resume_from_checkpoints(tmp_path):
     """With --zpp-dp-grad-error-feedback the residuals are saved and restored: the resumed run equals the
     straight one bit for bit, and the same resume with zeroed residuals does not."""

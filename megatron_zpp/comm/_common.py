@@ -115,6 +115,12 @@ def wire_format(topology: Topology, codec: str | Codec | None, what: str) -> Wir
     elif isinstance(c, BlockwiseQuantCodec):
         fmt = WireFormat(c, c.bits, c.block, c.stochastic)
     else:
+        from megatron_zpp.compression.container import ContainerCodec
+
+        if not c.fixed_size and not isinstance(c, ContainerCodec):
+            # any_codec.py reads a variable-size payload's length from the container header
+            raise ValueError(f"{what}: codec {c.spec!r} has variable-size payloads outside the container format "
+                             "(compression/container.py); the collectives cannot size them")
         fmt = WireFormat(c, None, 0, False, generic=True)
     cache[key] = fmt
     return fmt

@@ -139,7 +139,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology
                    residual: torch.Tensor | None = None):
     """First step of the two-hop reduce-scatter (module docstring); returns ``(middles, finish)``.
     ``residual``: error feedback, as in ``reduce_scatter.qgz_reduce_scatter``."""
-    from megatron_zpp.comm.reduce_scatter import compensate
+    from megatron_zpp.comm.reduce_scatter import compensate, drop_non_finite_
 
     groups = topology._groups
     size, nodes, node_size = topology.size, topology.num_nodes, topology.node_size
@@ -163,6 +163,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology
         with comm_timers().codec():
             sent = sent.view(node_size, nodes, length).transpose(0, 1).reshape(-1)
             torch.sub(target.view(-1), sent, out=residual.view(-1))
+            drop_non_finite_(residual)
     hop1, received1 = all_to_all_payloads(first, payloads, first_fmt.codec.fixed_size, tag,
                                           raw * (size // first.size))
 

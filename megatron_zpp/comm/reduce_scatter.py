@@ -112,7 +112,7 @@ def qgz_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topo
                              f"codec={inter_fmt.spec!r}, intra_codec={intra_fmt.spec!r} run one stage")
         stream = comm_stream(input.device, "reduce", groups.streams)
         scratch = groups.buffers.lease(input.device)
-        return launch(groups.in_flight, stream, (input, output),
+        return launch(groups.in_flight, stream, (input, output) + ((residual,) if residual is not None else ()),
                       lambda: any_codec.reduce_scatter(output, input, topology, intra_fmt, inter_fmt, divisor,
                                                        scratch, tag, residual), async_op)
 
@@ -168,6 +168,12 @@ def check_residual(residual: torch.Tensor, input: torch.Tensor, fmt: WireFormat,
                          f"{input.device}, got {residual.dtype} x {residual.numel()} on {residual.device}")
 
 
+def drop_non_finite_(residual: torch.Tensor) -> None:
+    """A non-finite gradient (an fp16 overflow the loss scaler will skip) must not stay in the residual:
+    ``inf - decode(inf)`` is NaN and would poison every later step. Those entries restart from zero."""
+    residual.masked_fill_(~torch.isfinite(residual), 0.0)
+
+
 def compensate(input: torch.Tensor, residual: torch.Tensor, scratch: Scratch) -> tuple[torch.Tensor, torch.Tensor]:
     """Error feedback's first half: ``(x, target)``, ``target = input + residual`` in fp32 and ``x`` that in
     the input dtype (scratch: ``input`` may alias the output and is left as it is)."""
@@ -208,6 +214,7 @@ def _compressed(output, input, topology: Topology, intra_fmt: WireFormat, inter_
             length = input.numel() // size
             sent = sent.view(stages, node_size, nodes, slice_len).permute(2, 1, 0, 3).reshape(size, -1)[:, :length]
             torch.sub(target.view(size, length), sent, out=residual.view(size, length))
+            drop_non_finite_(residual)
     send1_s, recv1_s = send1.view(stages, size * rb1), recv1.view(stages, size * rb1)
     hop1 = [first.all_to_all(recv1_s[s], send1_s[s]) for s in range(stages)]
     out, copy_back = _staged_output(output, stages, slice_len, scratch)

@@ -61,10 +61,11 @@ class MegatronHooks:
         self._topologies: dict[tuple, Topology] = {}
         self._hpz_shards: dict[tuple[int, int], HpzShard] = {}
         self._pending_gathers: dict[tuple, object] = {}  # (pipeline, bucket key) -> our gather handle
-        # Error feedback: one fp32 residual per gradient bucket, keyed by the bucket's storage (Megatron's
-        # grad buffers live for the whole run), in the order the buckets are first reduced.
-        self._residuals: dict[tuple, torch.Tensor] = {}
-        self._loaded_residuals: list[torch.Tensor] | None = None
+        # Error feedback: one fp32 residual per gradient bucket, keyed by a name that is the same in every run
+        # of the same model and layout ("ddp.bucket3.n500000", "fsdp.bucket2"): not by storage, which
+        # Megatron-FSDP allocates afresh for every reduction.
+        self._residuals: dict[str, torch.Tensor] = {}
+        self._loaded_residuals: dict[str, torch.Tensor] = {}
         self._saved: dict[str, object] = {}
         self._timed_methods: list[tuple[type, str, object]] = []
         self.installed = False
@@ -225,7 +226,7 @@ class MegatronHooks:
         def bucket_group_gradient_reduce(pipeline, bucket_group, *args, **kwargs):
             hooks.sync_iteration()
             hooks._check_fsdp_supported(pipeline.buffer.ddp_config, kwargs.get("outer_fsdp_group_grad_reduce"))
-            buffers = [pipeline.get_fsdp_buffer(b) for b in bucket_group]
+            buffers = [(f"fsdp.bucket{b}", pipeline.get_fsdp_buffer(b)) for b in bucket_group]
             with comm_timers().wait(), hooks._route_fsdp_reduce(buffers, fsdp_buf):
                 return originals["_bucket_group_gradient_reduce"](pipeline, bucket_group, *args, **kwargs)
 
@@ -340,7 +341,7 @@ class MegatronHooks:
         def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
             if hooks._is_private(group):
                 return original_rs(output, input, op=op, group=group, async_op=async_op)
-            gbuf = pending_buffers.pop(0) if pending_buffers else None
+            name, gbuf = pending_buffers.pop(0) if pending_buffers else (None, None)
             ours = not hooks._megatron_runs(hooks.grad_codec)
             # Padding garbage only matters to a quantizer (it would set a block's scale).
             if hooks.grad_codec != "none" and gbuf is not None and gbuf.bucket_index.size == input.numel():
@@ -348,7 +349,7 @@ class MegatronHooks:
             # Ours: synchronous, as Megatron-FSDP accumulates the shard right after its
             # coalescing block. Megatron's: its call exactly as it was made.
             sync = False if ours else async_op
-            return hooks._reduce_scatter_grads(original_rs, output, input, op, group, async_op=sync)[0]
+            return hooks._reduce_scatter_grads(original_rs, output, input, op, group, async_op=sync, bucket=name)[0]
 
         def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
             if hooks._is_private(group):
@@ -366,7 +367,7 @@ class MegatronHooks:
             if original_pre is not None:
                 fsdp_buf.gradient_reduce_preprocessing = original_pre
 
-    def _reduce_scatter_grads(self, original, output, input, op, group, async_op):
+    def _reduce_scatter_grads(self, original, output, input, op, group, async_op, bucket: str | None = None):
         """``(result, handle)``: Megatron's own reduce-scatter, recorded; or ours (qgZ, or its
         uncompressed 2-hop form for the fair baseline)."""
         if self._megatron_runs(self.grad_codec):
@@ -375,9 +376,9 @@ class MegatronHooks:
             return original(output, input, op=op, group=group, async_op=async_op), None
         return None, qgz_reduce_scatter(output, input, self.topology(group), codec=self.grad_codec, op=_op_name(op),
                                         async_op=async_op, tag=GRAD_TAG, intra_codec=self.policy.dp_grad_intra,
-                                        stages=self.policy.qgz_stages, residual=self._residual(input))
+                                        stages=self.policy.qgz_stages, residual=self._residual(input, bucket))
 
-    def _all_reduce_grads(self, original, tensor, op, group, async_op):
+    def _all_reduce_grads(self, original, tensor, op, group, async_op, bucket: str | None = None):
         """``(result, handle)``: Megatron's own all-reduce, recorded; or ours (compressed or the
         uncompressed hierarchical one)."""
         if self._megatron_runs(self.grad_codec):
@@ -387,36 +388,37 @@ class MegatronHooks:
             return original(tensor, op=op, group=group, async_op=async_op), None
         return None, compressed_all_reduce(tensor, self.topology(group), codec=self.grad_codec, op=_op_name(op), async_op=async_op,
                                            tag=GRAD_TAG, intra_codec=self.policy.dp_grad_intra,
-                                           stages=self.policy.qgz_stages, residual=self._residual(tensor))
+                                           stages=self.policy.qgz_stages, residual=self._residual(tensor, bucket))
 
     # ------------------------------------------------------------------ error feedback
-    def _residual(self, grads: torch.Tensor) -> torch.Tensor | None:
-        """The error-feedback residual of the bucket whose gradients are ``grads`` (None: feedback off, or
-        this reduction uncompressed by the dp_grad_until schedule: the residual then waits, unchanged)."""
+    def _residual(self, grads: torch.Tensor, bucket: str | None) -> torch.Tensor | None:
+        """The error-feedback residual of ``bucket`` (None: feedback off, or this reduction uncompressed by
+        the dp_grad_until schedule: the residual is then kept, unused)."""
         if not self.policy.error_feedback or self.grad_codec == "none":
             return None
-        key = (grads.device, grads.data_ptr(), grads.numel())
-        residual = self._residuals.get(key)
+        if bucket is None:
+            raise RuntimeError("error feedback: a gradient reduction without a bucket name (a routing path "
+                               "this version does not know); turn --zpp-dp-grad-error-feedback off")
+        residual = self._residuals.get(bucket)
         if residual is None:
-            index = len(self._residuals)
-            loaded = self._loaded_residuals
-            if loaded is not None and index < len(loaded):
-                if loaded[index].numel() != grads.numel():
-                    raise ValueError(f"checkpoint error-feedback residual {index} has {loaded[index].numel()} "
-                                     f"elements; bucket {index} of this run has {grads.numel()} (another layout)")
-                residual = loaded[index].to(device=grads.device, dtype=torch.float32).contiguous()
-            else:
-                residual = torch.zeros(grads.numel(), dtype=torch.float32, device=grads.device)
-            self._residuals[key] = residual
+            loaded = self._loaded_residuals.pop(bucket, None)
+            if loaded is not None and loaded.numel() != grads.numel():
+                raise ValueError(f"checkpoint error-feedback residual {bucket!r} has {loaded.numel()} elements; "
+                                 f"this run's bucket has {grads.numel()} (another model or layout)")
+            residual = (loaded.to(device=grads.device, dtype=torch.float32).contiguous() if loaded is not None
+                        else torch.zeros(grads.numel(), dtype=torch.float32, device=grads.device))
+            self._residuals[bucket] = residual
+        elif residual.numel() != grads.numel():
+            raise RuntimeError(f"error feedback: bucket {bucket!r} changed size ({residual.numel()} -> {grads.numel()})")
         return residual
 
     def state_dict(self) -> dict:
-        """Compression state a checkpoint keeps: the error-feedback residuals, in bucket order."""
-        return {"error_feedback_residuals": [r.detach().cpu().clone() for r in self._residuals.values()]}
+        """Compression state a checkpoint keeps: the error-feedback residuals, by bucket name."""
+        return {"error_feedback_residuals": {k: r.detach().cpu().clone() for k, r in self._residuals.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s residuals; they attach to the buckets in the order they are reduced."""
-        residuals = list(state.get("error_feedback_residuals", []))
+        """Restore :meth:`state_dict`'s residuals; each attaches to the bucket of its name when it is reduced."""
+        residuals = dict(state.get("error_feedback_residuals", {}))
         if residuals and not self.policy.error_feedback:
             raise ValueError("the checkpoint holds error-feedback residuals but this run's policy has "
                              "error_feedback off; resume with --zpp-dp-grad-error-feedback or from another checkpoint")
@@ -484,6 +486,9 @@ class MegatronHooks:
         original_rs = pgb.dist_reduce_scatter_func
         original_ar = dist.all_reduce
         grad_buffers = {id(b.grad_data) for b in bucket_group.buckets}
+        # Stable names for error feedback: the bucket whose gradients a collective reduces.
+        names = {b.grad_data.data_ptr(): f"ddp.bucket{b.bucket_id}.n{b.grad_data.numel()}"
+                 for b in bucket_group.buckets}
         handles: list = []
 
         def keep(result_and_handle):
@@ -493,12 +498,14 @@ class MegatronHooks:
             return result  # ours: None, nothing for Megatron's _coalescing_manager to track
 
         def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-            return keep(hooks._reduce_scatter_grads(original_rs, output, input, op, group, async_op))
+            return keep(hooks._reduce_scatter_grads(original_rs, output, input, op, group, async_op,
+                                                    bucket=names.get(input.data_ptr())))
 
         def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
             if id(tensor) not in grad_buffers:  # not a bucket's gradient: leave it alone
                 return original_ar(tensor, op=op, group=group, async_op=async_op)
-            return keep(hooks._all_reduce_grads(original_ar, tensor, op, group, async_op))
+            return keep(hooks._all_reduce_grads(original_ar, tensor, op, group, async_op,
+                                                bucket=names.get(tensor.data_ptr())))
 
         pgb.dist_reduce_scatter_func = reduce_scatter
         dist.all_reduce = all_reduce

@@ -281,6 +281,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         summary = logger.finish(losses, models, hooks, valid_loss=valid_loss,
                                 finite=_all_ranks_finite(optimizer, device), sharded=args.use_megatron_fsdp,
                                 replica_check=replica_check)
+        summary["error_feedback_buckets"] = sorted(hooks._residuals)  # names of the buckets holding a residual
         if args.summary_json and rank == 0:
             Path(args.summary_json).write_text(json.dumps(summary, indent=1, default=str))
         return summary
