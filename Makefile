@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: train test bench bench-codecs bench-collectives bench-training sweep cuda-build clean
 
-$(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/include/zpp/*.h)
+$(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/include/zpp/*.h csrc/include/zpp/*.cuh)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==2.15.*" "setuptools>=69" wheel ninja

@@ -12,6 +12,7 @@
 
 #include <type_traits>
 
+#include "zpp/cuda_float_io.cuh"
 #include "zpp/zfp_cuda_launchers.h"
 #include "zpp/zfp_math.h"
 
@@ -22,14 +23,6 @@ namespace {
 using namespace zpp::zfp;
 
 constexpr int kThreads = 128;
-
-__device__ __forceinline__ float load_f32(const float* p, int64_t i) { return p[i]; }
-__device__ __forceinline__ float load_f32(const __nv_bfloat16* p, int64_t i) { return __bfloat162float(p[i]); }
-__device__ __forceinline__ float load_f32(const __half* p, int64_t i) { return __half2float(p[i]); }
-
-__device__ __forceinline__ void store_f32(float* p, int64_t i, float v) { p[i] = v; }
-__device__ __forceinline__ void store_f32(__nv_bfloat16* p, int64_t i, float v) { p[i] = __float2bfloat16_rn(v); }
-__device__ __forceinline__ void store_f32(__half* p, int64_t i, float v) { p[i] = __float2half_rn(v); }
 
 template <int dims, typename T>
 __global__ void zfp_encode_kernel(const T* __restrict__ x, int64_t numel, int maxbits, uint8_t* __restrict__ payload) {
