@@ -17,6 +17,17 @@ def _quiet(*args, **kwargs) -> None:
     pass
 
 
+def rewind_checkpoint(workdir: str, iteration: int) -> None:
+    """Point the checkpoint tracker back at ``iteration`` (a save at the end of training moved it on)."""
+    from pathlib import Path
+
+    from megatron_zpp.training.checkpoint import TRACKER
+
+    if dist.get_rank() == 0:
+        (Path(workdir) / TRACKER).write_text(str(iteration))
+    dist.barrier()
+
+
 def run_policies(parallel: list[str], iterations: int, ranks_per_node: int, overlap_variants: bool) -> dict:
     """Train the same small GPT with the plugin absent, with ``none``, ``fair`` and ``zeropp``.
 
@@ -62,17 +73,27 @@ def resume_matches_straight_run(workdir: str, extra: list[str] | None = None) ->
     base = SMALL + ["--use-distributed-optimizer", "--zpp-policy", "zeropp", "--zpp-ranks-per-node", "1",
                     "--train-iters", "6"] + extra
     straight = pretrain(base + ["--save", workdir, "--save-interval", "4"], log=_quiet)
-    if dist.get_rank() == 0:
-        (Path(workdir) / "latest").write_text("4")
-    dist.barrier()
+    rewind_checkpoint(workdir, 4)
     out = {"straight": straight["losses"][4:], "resumed": pretrain(base + ["--load", workdir], log=_quiet)["losses"]}
     if extra:
-        path = Path(workdir) / "iter_0000004" / f"rank_{dist.get_rank():05d}.pt"
-        state = torch.load(path, weights_only=False)
+        import json
+
+        from megatron_zpp.training.checkpoint import MANIFEST, RANK_STATE, _file_digest
+
+        folder = Path(workdir) / "iter_0000004"
+        name = f"{RANK_STATE}/rank_{dist.get_rank():05d}.pt"
+        state = torch.load(folder / name, weights_only=True)
         residuals = state["compression"]["error_feedback_residuals"]
         out["residual_norms"] = [float(r.norm()) for r in residuals.values()]
         state["compression"]["error_feedback_residuals"] = {k: torch.zeros_like(r) for k, r in residuals.items()}
-        torch.save(state, path)
+        torch.save(state, folder / name)
+        entry = {"bytes": (folder / name).stat().st_size, "sha256": _file_digest(folder / name)}
+        entries: list = [None] * dist.get_world_size()
+        dist.all_gather_object(entries, (name, entry))
+        if dist.get_rank() == 0:  # re-sign the edited files, or the load refuses them
+            manifest = json.loads((folder / MANIFEST).read_text())
+            manifest["files"].update(dict(entries))
+            (folder / MANIFEST).write_text(json.dumps(manifest))
         dist.barrier()
         out["resumed_without_residuals"] = pretrain(base + ["--load", workdir], log=_quiet)["losses"]
     return out
@@ -90,7 +111,7 @@ def fsdp_zeropp(iterations: int, workdir: str) -> dict:
     import megatron_zpp.megatron.hooks as hooks_module
 
     base = SMALL + ["--use-megatron-fsdp", "--bf16", "--overlap-grad-reduce", "--overlap-param-gather",
-                    "--zpp-ranks-per-node", "2", "--train-iters", str(iterations)]
+                    "--zpp-ranks-per-node", "2", "--train-iters", str(iterations), "--ckpt-format", "fsdp_dtensor"]
     none = pretrain(base + ["--zpp-policy", "none"], log=_quiet)
     absent = pretrain(base, log=_quiet, plugin=False)
     out = {"absent": absent["losses"], "absent_grad_norms": absent["grad_norms"], "none": none["losses"],
@@ -130,9 +151,7 @@ def fsdp_zeropp(iterations: int, workdir: str) -> dict:
     out["zeropp"] = {k: zeropp[k] for k in ("losses", "traffic", "finite", "hpz_bytes_per_rank")}
     out["gathers"] = len(digests)
     out["gathers_identical_on_all_ranks"] = all(d == everyone[0] for d in everyone)
-    if dist.get_rank() == 0:
-        (Path(workdir) / "latest").write_text("3")
-    dist.barrier()
+    rewind_checkpoint(workdir, 3)
     out["resumed"] = pretrain(base + ["--zpp-policy", "zeropp", "--load", workdir], log=_quiet)["losses"]
     return out
 
@@ -260,12 +279,82 @@ def error_feedback_fsdp(workdir: str) -> dict:
     from pathlib import Path
 
     base = SMALL + ["--use-megatron-fsdp", "--bf16", "--overlap-grad-reduce", "--overlap-param-gather",
-                    "--zpp-ranks-per-node", "2", "--zpp-policy", "zeropp", "--zpp-dp-grad-error-feedback"]
+                    "--zpp-ranks-per-node", "2", "--zpp-policy", "zeropp", "--zpp-dp-grad-error-feedback",
+                    "--ckpt-format", "fsdp_dtensor"]
     one = pretrain(base + ["--train-iters", "1"], log=_quiet)
     straight = pretrain(base + ["--train-iters", "4", "--save", workdir, "--save-interval", "2"], log=_quiet)
-    if dist.get_rank() == 0:
-        (Path(workdir) / "latest").write_text("2")
-    dist.barrier()
+    rewind_checkpoint(workdir, 2)
     resumed = pretrain(base + ["--train-iters", "4", "--load", workdir], log=_quiet)
     return {"buckets_after_1": one["error_feedback_buckets"], "buckets_after_4": straight["error_feedback_buckets"],
             "straight": straight["losses"][2:], "resumed": resumed["losses"], "finite": straight["finite"]}
+
+
+RESHARD_LAYOUTS = {"DP4": [], "TP2xDP2": ["--tensor-model-parallel-size", "2"],
+                   "PP2xDP2": ["--pipeline-model-parallel-size", "2"]}
+
+
+def reshard_resume(workdir: str, zero: list[str], layouts: list[str], policy: str = "none") -> dict:
+    """Train 6 iterations at DP4 saving at 4; resume from 4 on each of ``layouts``: the two losses after the
+    resume, against the uninterrupted run's. The padded vocabulary is the same at TP1 and TP2 (256-divisible)."""
+    base = SMALL + ["--make-vocab-size-divisible-by", "256", "--global-batch-size", "8", "--train-iters", "6",
+                    "--zpp-ranks-per-node", "2", "--zpp-policy", policy] + zero
+    straight = pretrain(base + ["--save", workdir, "--save-interval", "4"], log=_quiet)
+    out = {"straight": straight["losses"][4:]}
+    for name in layouts:
+        rewind_checkpoint(workdir, 4)
+        out[name] = pretrain(base + RESHARD_LAYOUTS[name] + ["--load", workdir], log=_quiet)["losses"]
+    return out
+
+
+def checkpoint_damage(workdir: str) -> dict:
+    """Save at 2 and 4; then: a save of iteration 6 killed before its commit (rank 0 SIGKILLs itself) is
+    tested by the caller; here, after the kill, the previous checkpoint must load and continue like the
+    uninterrupted run; then a truncated and a bit-flipped file must be refused with their names."""
+    from pathlib import Path
+
+    from megatron_zpp.training.checkpoint import CheckpointError
+
+    base = SMALL + ["--use-distributed-optimizer", "--zpp-ranks-per-node", "2", "--zpp-policy", "none"]
+    out: dict = {"partial_left": sorted(p.name for p in Path(workdir).glob("*.partial"))}
+    resumed = pretrain(base + ["--train-iters", "6", "--load", workdir], log=_quiet)
+    out["resumed"] = resumed["losses"]
+    folder = Path(workdir) / "iter_0000006"  # the save at the end of the resumed run
+    out["partial_after_resave"] = sorted(p.name for p in Path(workdir).glob("*.partial"))
+    data = sorted(folder.glob("*.distcp"))[0]
+    errors = {}
+    for damage in ("truncate", "flip"):
+        if dist.get_rank() == 0:
+            raw = bytearray(data.read_bytes())
+            backup = bytes(raw)
+            if damage == "truncate":
+                raw = raw[: len(raw) // 2]
+            else:
+                raw[len(raw) // 3] ^= 0x10
+            data.write_bytes(bytes(raw))
+        dist.barrier()
+        try:
+            pretrain(base + ["--train-iters", "7", "--load", workdir], log=_quiet)
+            errors[damage] = "no error"
+        except CheckpointError as e:
+            errors[damage] = str(e)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            data.write_bytes(backup)
+        dist.barrier()
+    out["errors"] = errors
+    return out
+
+
+def save_then_get_killed(workdir: str) -> None:
+    """Train 6 iterations saving every 2; rank 0 SIGKILLs itself inside the save of iteration 6, after every
+    rank wrote its data and before the commit (the spawner then stops the others)."""
+    import os
+
+    os.environ["ZPP_TEST_KILL_DURING_SAVE"] = "6"
+    base = SMALL + ["--use-distributed-optimizer", "--zpp-ranks-per-node", "2", "--zpp-policy", "none"]
+    pretrain(base + ["--train-iters", "6", "--save", workdir, "--save-interval", "2"], log=_quiet)
+
+
+def straight_losses(iterations: int) -> list[float]:
+    base = SMALL + ["--use-distributed-optimizer", "--zpp-ranks-per-node", "2", "--zpp-policy", "none"]
+    return pretrain(base + ["--train-iters", str(iterations)], log=_quiet)["losses"]

@@ -114,7 +114,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", type=str, default=None, help="directory to save a checkpoint to at the end (and every "
                                                 "--save-interval iterations)")
     g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--load", type=str, default=None, help="directory to resume from")
+    g.add_argument("--load", type=str, default=None, help="directory to resume from (any parallel layout)")
+    g.add_argument("--ckpt-format", type=str, choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"),
+                   default="torch_dist",
+                   help="checkpoint format: torch_dist (megatron.core.dist_checkpointing; DDP and the distributed "
+                        "optimizer) or fsdp_dtensor (Megatron-FSDP); Megatron-LM's torch and torch_dcp are not "
+                        "implemented here")
+    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                   help="torch_dist: save the distributed optimizer's state by parameter, so the checkpoint reshards "
+                        "across tensor and pipeline parallelism too (default dp_reshardable: data parallelism only)")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--eval-iters", type=int, default=100,
                    help="global batches of the validation split per evaluation (0: none)")
@@ -187,6 +195,15 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ValueError(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than the decay iterations "
                          f"{decay_iters} (--lr-decay-iters, default --train-iters; Megatron's scheduler asserts "
                          "it with no message); lower the warmup or add iterations")
+    from megatron_zpp.training.checkpoint import CKPT_FORMATS
+
+    if args.ckpt_format not in CKPT_FORMATS:
+        raise ValueError(f"--ckpt-format {args.ckpt_format} is not implemented by this driver; valid: "
+                         f"{', '.join(CKPT_FORMATS)}")
+    if args.use_megatron_fsdp != (args.ckpt_format == "fsdp_dtensor") and (args.save or args.load):
+        raise ValueError(f"--ckpt-format {args.ckpt_format} with{'' if args.use_megatron_fsdp else 'out'} "
+                         "--use-megatron-fsdp: Megatron-FSDP checkpoints are --ckpt-format fsdp_dtensor (as in "
+                         "Megatron-LM), DDP and distributed-optimizer ones torch_dist")
     for name in ("eval_interval", "exit_interval", "save_interval", "log_interval"):
         value = getattr(args, name)
         if value is not None and value < 1:

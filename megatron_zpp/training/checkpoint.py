@@ -1,20 +1,62 @@
-"""Per-rank checkpoints for ``--save`` / ``--load``.
+"""Distributed checkpoints for ``--save`` / ``--load``: Megatron-Core's ``dist_checkpointing``, made atomic and
+verified.
 
-Each rank writes ``iter_NNNNNNN/rank_RRRRR.pt``: the model's state dict (not for Megatron-FSDP,
-whose weights live in shards), the optimizer's main weights as this rank holds them (fp32,
-sharded with the distributed optimizer or FSDP), the local optimizer state (Adam's moments),
-the LR scheduler and the RNG state; ``latest`` names the newest iteration. Resuming needs the same world and
-parallel layout (Megatron's resharding ``dist_checkpointing`` is the tool for changing it).
+Format (``--ckpt-format``, Megatron-LM's flag and names):
+
+- ``torch_dist`` (the default; distributed optimizer or plain DDP): ``megatron.core.dist_checkpointing`` with the
+  model's and the optimizer's ``sharded_state_dict``. Tensors are stored by their global shape and offsets, so a
+  checkpoint saved on one layout loads on another (DP, TP and PP sizes may all change) as long as the optimizer
+  state was saved ``fully_reshardable`` (``--dist-ckpt-optim-fully-reshardable``); Megatron-LM's default,
+  ``dp_reshardable``, stores the distributed optimizer's flat buffers and reshards across DP only.
+- ``fsdp_dtensor`` (Megatron-FSDP, which Megatron-LM also requires it for): PyTorch DCP over the DTensors that
+  Megatron-FSDP's model and optimizer state dicts hold; DCP reshards them on load.
+
+A checkpoint ``DIR/iter_NNNNNNN/`` holds, beside Megatron's files:
+
+- ``zpp_rank_state/rank_RRRRR.pt``: per-rank state that does not reshard: the RNG states and the compression
+  state (error-feedback residuals by bucket) with the layout they belong to. They are restored only when the
+  layout is unchanged; on another layout the RNGs are re-seeded from ``--seed`` and the iteration, and the
+  residuals restart from zero (what error feedback does at step 0), both said in the log. The dp.grad schedule
+  position is the iteration itself, and hpZ's secondary copies are rebuilt on first use after a load.
+- ``zpp_manifest.json``: size and SHA-256 of every file, written last. A load checks them all first, so a
+  truncated or corrupted file is named in the error instead of failing deep inside DCP (or loading wrong bytes).
+
+Atomic saves: every rank writes into ``iter_NNNNNNN.partial/``; after a barrier rank 0 writes the manifest,
+renames the directory into place and only then points ``latest_checkpointed_iteration.txt`` (Megatron-LM's
+tracker file, replaced atomically) at it. A save killed midway leaves the tracker on the previous checkpoint,
+which stays loadable; the stale ``.partial`` directory is removed by the next save.
+
+No arbitrary unpickling: tensors and the RNG/compression state load with ``torch.load(weights_only=True)``
+(torch's and Megatron's defaults), and DCP's ``.metadata`` pickle is first read by a restricted unpickler that
+admits only DCP's metadata classes and plain values; anything else is refused with an error naming it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
+import json
+import os
+import pickle
+import shutil
+import signal
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+CKPT_FORMATS = ("torch_dist", "fsdp_dtensor")
+TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's name
+MANIFEST = "zpp_manifest.json"
+RANK_STATE = "zpp_rank_state"
 
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded: missing, truncated, corrupted, or of another kind."""
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
 def _inner_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
@@ -29,63 +71,414 @@ def main_params(optimizer) -> list[torch.Tensor]:
             for p in group["params"]]
 
 
-def _is_fsdp(models) -> bool:
+def is_fsdp(models) -> bool:
     model = models[0]
     return hasattr(model, "install_optimized_model_weights") or \
         hasattr(getattr(model, "module", None), "install_optimized_model_weights")
 
 
-def save_checkpoint(directory: str, iteration: int, models: list, optimizer, scheduler, hooks=None) -> Path:
-    """Megatron-FSDP keeps weights only as shards (its ``state_dict`` holds freed gathered buffers),
-    so for it the optimizer's main-weight shards are the checkpoint; the model weights are
-    re-installed from them on load."""
+def _layout() -> dict:
+    """What per-rank state depends on: the parallel layout and this rank's place in it."""
+    from megatron.core import parallel_state as ps
+
+    return {"world_size": dist.get_world_size(), "rank": dist.get_rank(),
+            "tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size()}
+
+
+def _padded_vocab(models) -> int:
+    from megatron.core.utils import unwrap_model
+
+    model = unwrap_model(models)[0]
+    while not hasattr(model, "vocab_size") and hasattr(model, "module"):  # Megatron-FSDP's inner wrapper
+        model = model.module
+    return int(model.vocab_size)
+
+
+def _model_key(models, i: int) -> str:
+    return "model" if len(models) == 1 else f"model{i}"  # Megatron-LM's keys, one per virtual stage
+
+
+def _sharded_metadata(args) -> dict:
+    """Megatron-LM's content metadata for ``sharded_state_dict`` (``_build_sharded_state_dict_metadata``)."""
+    from megatron.core import parallel_state as ps
+
+    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+                "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+    if args.use_megatron_fsdp:
+        metadata["distrib_optim_sharding_type"] = "fsdp_dtensor"
+    elif args.use_distributed_optimizer:
+        metadata["distrib_optim_sharding_type"] = (
+            "fully_reshardable" if args.dist_ckpt_optim_fully_reshardable else "dp_reshardable")
+    return metadata
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    state = {"torch": torch.get_rng_state(),
+             "tracker": {k: v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()}}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _reseed(seed: int, iteration: int) -> None:
+    """On another layout the saved RNG streams have no owner: start fresh, deterministic ones."""
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed + iteration)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed + iteration)
+
+
+def _materialize_adam_state(optimizer) -> None:
+    """Give every parameter of a ``torch.optim.Adam`` its state (``step`` and zero moments) where it has none.
+
+    torch's Adam creates state lazily at a parameter's first gradient, so a fresh optimizer (before a load) has
+    none, and under Megatron-FSDP a rank whose shard of a parameter is empty never gets any. Megatron's
+    ``init_state_fn`` creates the moments but not ``step``, which the distributed optimizer's ``state_dict`` reads
+    when neither Transformer Engine's nor apex's fused Adam is installed (this CPU path, or a GPU without them),
+    and Megatron-FSDP's DTensor checkpoint needs the same keys on every rank (its collectives run per key and
+    hang otherwise). The step is the one the other parameters have (Megatron keeps them equal); a load replaces
+    all of it."""
+    for opt in _inner_optimizers(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        steps = [float(st["step"]) for st in inner.state.values() if "step" in st]
+        local_step = torch.tensor([max(steps) if steps else 0.0], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(local_step, op=dist.ReduceOp.MAX)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state[p]
+                if not state:
+                    state["step"] = torch.tensor(float(local_step), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+@contextlib.contextmanager
+def _adam_step_fix(optimizer):
+    """Megatron-Core 0.19 without TE/apex (torch's Adam keeps a ``step`` per parameter): loading a ``fully_reshardable`` distributed-optimizer state looks up
+    torch Adam's per-parameter ``step`` among the loaded tensors, which leave it out on purpose (it is restored
+    from the param groups just before), and fails with ``KeyError: 'step'``. Marking it absent (``None``, which
+    Megatron skips) keeps the restored step."""
+    patched = []
+    for opt in _inner_optimizers(optimizer):
+        original = getattr(opt, "_set_main_param_and_optimizer_states", None)
+        if original is None:
+            continue
+
+        def set_states(model_param, tensors, _original=original):
+            return _original(model_param, tensors if "step" in tensors else {**tensors, "step": None})
+
+        opt._set_main_param_and_optimizer_states = set_states
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states  # back to the class's method
+    # The step count itself: Megatron keeps one for all parameters in the param groups (it asserts they agree);
+    # the per-parameter tensors torch's Adam reads can come back as the zeros of the load template (seen at DP4).
+    for opt in _inner_optimizers(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            if "step" in group:
+                for p in group["params"]:
+                    if "step" in inner.state[p]:
+                        inner.state[p]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------------------ sharded state
+def _state_dict_for(args, models, optimizer, scheduler, *, loading: bool) -> dict:
+    """Megatron-LM's checkpoint layout: ``model``/``modelN``, ``optimizer``, ``opt_param_scheduler``, ``iteration``."""
+    from megatron.core.utils import unwrap_model
+
+    metadata = _sharded_metadata(args)
+    models = unwrap_model(models)  # keys without the DDP / Float16Module prefixes, as Megatron-LM saves them
+    state: dict = {}
+    if args.ckpt_format == "torch_dist":
+        for i, model in enumerate(models):
+            state[_model_key(models, i)] = model.sharded_state_dict(metadata=metadata)
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=loading, metadata=metadata)
+    else:  # fsdp_dtensor: plain state dicts of DTensors; DCP reshards them
+        from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+            preprocess_state_dict_for_uneven_dtensor,
+        )
+
+        for i, model in enumerate(models):
+            state[_model_key(models, i)] = model.state_dict()
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=loading, metadata=metadata)
+        preprocess_state_dict_for_uneven_dtensor(state)
+    return state
+
+
+def save_checkpoint(args, iteration: int, models: list, optimizer, scheduler, hooks=None) -> Path:
+    """Save iteration ``iteration`` under ``args.save`` (collective: every rank calls it)."""
+    from megatron.core import dist_checkpointing
+
     rank = dist.get_rank()
-    folder = Path(directory) / f"iter_{iteration:07d}"
-    folder.mkdir(parents=True, exist_ok=True)
-    fsdp = _is_fsdp(models)
-    state = {
-        "iteration": iteration,
-        "world_size": dist.get_world_size(),
-        "model": None if fsdp else [m.state_dict() for m in models],
-        "main_params": [p.detach().clone() for p in main_params(optimizer)],
-        "optimizer": [opt.optimizer.state_dict() for opt in _inner_optimizers(optimizer)],
-        "scheduler": scheduler.state_dict(),
-        "rng": torch.get_rng_state(),
-        "compression": hooks.state_dict() if hooks is not None else {},
-    }
-    torch.save(state, folder / f"rank_{rank:05d}.pt")
-    dist.barrier()
+    root = Path(args.save)
+    final = root / f"iter_{iteration:07d}"
+    partial = root / f"iter_{iteration:07d}.partial"
     if rank == 0:
-        (Path(directory) / "latest").write_text(str(iteration))
-    return folder
+        root.mkdir(parents=True, exist_ok=True)
+        if partial.exists():  # left by a save that was killed
+            shutil.rmtree(partial)
+        partial.mkdir()
+    dist.barrier()
+
+    _materialize_adam_state(optimizer)
+    state = _state_dict_for(args, models, optimizer, scheduler, loading=False)
+    state["opt_param_scheduler"] = scheduler.state_dict()
+    state["iteration"] = iteration
+    if args.ckpt_format == "torch_dist":
+        from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+
+        # The content metadata (the optimizer's sharding type) tells a later load how to read the state back.
+        dist_checkpointing.save(state, str(partial), validate_access_integrity=True,
+                                content_metadata=_clean_metadata_for_serialization(_sharded_metadata(args)))
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(state, checkpoint_id=str(partial))
+
+    rank_dir = partial / RANK_STATE
+    rank_dir.mkdir(exist_ok=True)
+    rank_state = {"layout": _layout(), "rng": _rng_state(),
+                  "compression": hooks.state_dict() if hooks is not None else {}}
+    with (rank_dir / f"rank_{rank:05d}.pt").open("wb") as f:
+        torch.save(rank_state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    dist.barrier()
+
+    if os.environ.get("ZPP_TEST_KILL_DURING_SAVE") == str(iteration) and rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)  # tests: a kill after the data, before the commit
+
+    if rank == 0:
+        files = sorted(p for p in partial.rglob("*") if p.is_file())
+        manifest = {"format": args.ckpt_format, "iteration": iteration, "padded_vocab_size": _padded_vocab(models),
+                    "files": {str(p.relative_to(partial)): {"bytes": p.stat().st_size, "sha256": _file_digest(p)}
+                              for p in files}}
+        _write_atomically(partial / MANIFEST, json.dumps(manifest, indent=1))
+        old = root / f"iter_{iteration:07d}.old"
+        if final.exists():  # saving the same iteration again (a rerun): swap, then drop the old one
+            final.rename(old)
+        partial.rename(final)
+        _fsync_dir(root)
+        _write_atomically(root / TRACKER, str(iteration))
+        if old.exists():
+            shutil.rmtree(old)
+    dist.barrier()
+    return final
 
 
-def load_checkpoint(directory: str, models: list, optimizer, scheduler, hooks=None) -> int:
-    """Load the newest checkpoint under ``directory``; return its iteration."""
-    latest = Path(directory) / "latest"
-    if not latest.exists():
-        raise FileNotFoundError(f"--load {directory}: no 'latest' file; nothing was saved there")
-    iteration = int(latest.read_text())
-    path = Path(directory) / f"iter_{iteration:07d}" / f"rank_{dist.get_rank():05d}.pt"
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    if state["world_size"] != dist.get_world_size():
-        raise ValueError(f"--load {directory}: saved with world size {state['world_size']}, now "
-                         f"{dist.get_world_size()}; per-rank checkpoints need the same layout")
-    if state["model"] is not None:
-        for m, m_state in zip(models, state["model"]):
-            m.load_state_dict(m_state)
-    for opt, opt_state in zip(_inner_optimizers(optimizer), state["optimizer"]):
-        opt.optimizer.load_state_dict(opt_state)
-    with torch.no_grad():
-        for p, saved in zip(main_params(optimizer), state["main_params"]):
-            p.copy_(saved)
-    if _is_fsdp(models):
-        for model in models:
+# -------------------------------------------------------------------------------------------------- load
+def read_tracker(directory: str) -> int:
+    root = Path(directory)
+    tracker = root / TRACKER
+    if not tracker.exists():
+        raise CheckpointError(f"--load {directory}: no {TRACKER}; nothing was saved there (or a save never finished)")
+    text = tracker.read_text().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"--load {directory}: {TRACKER} holds {text!r}, not an iteration number") from None
+
+
+_ALLOWED_PICKLE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+                           "torch.distributed.checkpoint.filesystem", "torch.distributed._shard.sharded_tensor.metadata",
+                           "torch.distributed._shard.metadata", "megatron.core.dist_checkpointing")
+_ALLOWED_PICKLE_GLOBALS = {("torch", "Size"), ("torch", "float32"), ("torch", "float16"), ("torch", "bfloat16"),
+                           ("torch", "float64"), ("torch", "int64"), ("torch", "int32"), ("torch", "uint8"),
+                           ("torch", "int8"), ("torch", "bool"), ("torch", "strided"), ("torch", "contiguous_format"),
+                           ("torch", "device"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                           ("collections", "OrderedDict"), ("builtins", "set"),
+                           ("builtins", "frozenset"), ("builtins", "slice"), ("torch._utils", "_rebuild_tensor_v2"),
+                           ("torch.storage", "_load_from_bytes"), ("enum", "Enum")}
+
+
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata classes and plain values only (DCP itself reads the file with ``pickle.load``)."""
+
+    def find_class(self, module: str, name: str):
+        if module.startswith(_ALLOWED_PICKLE_MODULES) or (module, name) in _ALLOWED_PICKLE_GLOBALS:
+            return super().find_class(module, name)
+        raise CheckpointError(f"refusing to unpickle {module}.{name} from a checkpoint's DCP metadata "
+                              "(only torch.distributed.checkpoint's metadata classes are allowed)")
+
+
+def _check_dcp_metadata(folder: Path) -> None:
+    path = folder / ".metadata"
+    if not path.exists():
+        raise CheckpointError(f"{folder}: no .metadata file; not a torch_dist / fsdp_dtensor checkpoint")
+    try:
+        _DcpMetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+    except CheckpointError:
+        raise
+    except Exception as e:  # truncated or garbled
+        raise CheckpointError(f"{path}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
+
+
+def verify_checkpoint(folder: Path) -> None:
+    """Check every file against the manifest, spread over the ranks; raise on every rank if any fails."""
+    manifest_path = folder / MANIFEST
+    problems: list[str] = []
+    if not folder.is_dir():
+        problems.append(f"{folder} does not exist")
+    elif not manifest_path.exists():
+        problems.append(f"{folder}: no {MANIFEST} (not saved by megatron_zpp, or its save did not finish)")
+    else:
+        try:
+            files = json.loads(manifest_path.read_text())["files"]
+        except (ValueError, KeyError) as e:
+            files = {}
+            problems.append(f"{manifest_path}: unreadable ({e})")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        for name in sorted(files)[rank::world]:
+            expected, path = files[name], folder / name
+            if not path.exists():
+                problems.append(f"{path} is missing")
+            elif path.stat().st_size != expected["bytes"]:
+                problems.append(f"{path} has {path.stat().st_size} bytes, the manifest says {expected['bytes']} "
+                                "(truncated?)")
+            elif _file_digest(path) != expected["sha256"]:
+                problems.append(f"{path}: SHA-256 differs from the manifest (corrupted)")
+        if rank == 0 and not problems:
+            try:
+                _check_dcp_metadata(folder)
+            except CheckpointError as e:
+                problems.append(str(e))
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, problems)
+    found = sorted({p for rank_problems in gathered for p in rank_problems})
+    if found:
+        raise CheckpointError("checkpoint failed verification: " + "; ".join(found))
+
+
+def load_checkpoint(args, models: list, optimizer, scheduler, hooks=None, log=print) -> int:
+    """Load the checkpoint ``args.load``'s tracker names (on any layout); return its iteration."""
+    from megatron.core import dist_checkpointing
+
+    iteration = read_tracker(args.load)
+    folder = Path(args.load) / f"iter_{iteration:07d}"
+    verify_checkpoint(folder)
+    saved_format = json.loads((folder / MANIFEST).read_text()).get("format")
+    if saved_format != args.ckpt_format:
+        raise CheckpointError(f"--load {args.load}: saved with --ckpt-format {saved_format}, this run uses "
+                              f"{args.ckpt_format} (valid: {', '.join(CKPT_FORMATS)}; Megatron-FSDP needs fsdp_dtensor)")
+
+    _materialize_adam_state(optimizer)
+    saved_vocab = json.loads((folder / MANIFEST).read_text()).get("padded_vocab_size")
+    if saved_vocab is not None and saved_vocab != _padded_vocab(models):
+        raise CheckpointError(
+            f"--load {args.load}: saved with a padded vocabulary of {saved_vocab} rows, this run pads to "
+            f"{_padded_vocab(models)} (--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by} x TP "
+            f"{args.tensor_model_parallel_size}); the extra rows would change every softmax. Pick "
+            "--make-vocab-size-divisible-by so that both layouts pad alike (e.g. a multiple of the larger TP)")
+    state = _state_dict_for(args, models, optimizer, scheduler, loading=True)
+    state["opt_param_scheduler"] = scheduler.state_dict()  # non-tensor entries come back in place
+    try:
+        if args.ckpt_format == "torch_dist":
+            content = dist_checkpointing.load_content_metadata(str(folder)) or {}
+            saved_sharding = content.get("distrib_optim_sharding_type")
+            if saved_sharding == "dp_reshardable":
+                saved_layout = torch.load(folder / RANK_STATE / "rank_00000.pt", weights_only=True)["layout"]
+                now = _layout()
+                if (saved_layout["tp"], saved_layout["pp"]) != (now["tp"], now["pp"]):
+                    raise CheckpointError(
+                        f"--load {args.load}: the distributed optimizer was saved dp_reshardable at TP{saved_layout['tp']}"
+                        f" x PP{saved_layout['pp']}, which reshards across data parallelism only; this run is "
+                        f"TP{now['tp']} x PP{now['pp']}. Save with --dist-ckpt-optim-fully-reshardable to change TP/PP")
+            if saved_sharding is not None:
+                # Load in the format it was saved in (as Megatron-LM does); this run's sharding applies to saves.
+                metadata = dict(_sharded_metadata(args), distrib_optim_sharding_type=saved_sharding)
+                state["optimizer"] = optimizer.sharded_state_dict(
+                    {k: v for k, v in state.items() if k.startswith("model")}, is_loading=True, metadata=metadata)
+            loaded = dist_checkpointing.load(state, str(folder), validate_access_integrity=True)
+        else:
+            import torch.distributed.checkpoint as dcp
+
+            dcp.load(state, checkpoint_id=str(folder))
+            loaded = state
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"--load {args.load}: loading {folder} failed ({type(e).__name__}: {e}); was it saved "
+                              f"by another model configuration?") from e
+
+    from megatron.core.utils import unwrap_model
+
+    if args.ckpt_format == "torch_dist":
+        for i, model in enumerate(unwrap_model(models)):
+            model.load_state_dict(loaded[_model_key(models, i)])
+        # no_grad: with fp32 weights the distributed optimizer's main parameters are views of the model's, which
+        # autograd refuses to copy into (Megatron's dp_reshardable loader does not disable grad itself).
+        with _adam_step_fix(optimizer), torch.no_grad():
+            optimizer.load_state_dict(loaded["optimizer"])
+    else:
+        for i, model in enumerate(unwrap_model(models)):
+            model.load_state_dict(loaded[_model_key(models, i)], strict=False)
+        optimizer.load_state_dict(loaded["optimizer"])
+        for model in models:  # model weights from the restored main weights
             target = model if hasattr(model, "install_optimized_model_weights") else model.module
-            target.install_optimized_model_weights()  # model weights from the restored main weights
+            target.install_optimized_model_weights()
 
-    scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["rng"])
-    if hooks is not None:
-        hooks.load_state_dict(state.get("compression", {}))
+    scheduler.load_state_dict(loaded["opt_param_scheduler"])
+
+    rank_path = folder / RANK_STATE / f"rank_{dist.get_rank():05d}.pt"
+    rank_state = torch.load(rank_path, weights_only=True) if rank_path.exists() else None
+    same_layout = rank_state is not None and rank_state["layout"] == _layout()
+    if same_layout:
+        _set_rng_state(rank_state["rng"])
+        if hooks is not None:
+            hooks.load_state_dict(rank_state["compression"])
+    else:
+        _reseed(args.seed, iteration)
+        if dist.get_rank() == 0:
+            saved = rank_state["layout"] if rank_state else "unknown"
+            log(f"> checkpoint layout {saved} differs from this run's {_layout()}: weights, optimizer and scheduler "
+                "resharded; RNG re-seeded from --seed and the iteration; error-feedback residuals (if any) restart "
+                "from zero")
     return iteration
+

@@ -198,7 +198,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         if args.load:
             from megatron_zpp.training.checkpoint import load_checkpoint
 
-            start_iteration = load_checkpoint(args.load, models, optimizer, scheduler, hooks)
+            start_iteration = load_checkpoint(args, models, optimizer, scheduler, hooks, log=log)
             hooks.invalidate_secondary()
 
         dp_rank = parallel_state.get_data_parallel_rank()
@@ -227,6 +227,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
                        for _ in models]
             valid_batches = streams[0] if single else streams
         last_iteration = args.train_iters
+        saved_iteration = None
         for iteration in range(start_iteration, args.train_iters):
             args.curr_iteration = iteration
             hooks.sync_iteration()  # schedule and rounding seeds for this step, before any collective
@@ -248,9 +249,8 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             logger.iteration(iteration + 1, loss, scheduler.get_lr(optimizer.param_groups[0]), grad_norm,
                              time.perf_counter() - t0, update_ok, hooks.hpz_bytes)
             if args.save and args.save_interval and (iteration + 1) % args.save_interval == 0:
-                from megatron_zpp.training.checkpoint import save_checkpoint
-
-                save_checkpoint(args.save, iteration + 1, models, optimizer, scheduler, hooks)
+                _save(args, iteration + 1, models, optimizer, scheduler, hooks)
+                saved_iteration = iteration + 1
             done = iteration + 1
             if args.exit_interval and done % args.exit_interval == 0 and done < args.train_iters:
                 last_iteration = done
@@ -264,10 +264,8 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
                 if rank == 0:
                     log(f"> validation loss at iteration {done}: {loss_now:.6f}")
         logger.end_training()  # per-iteration bytes: the loop only, not the final sync and evaluation
-        if args.save:
-            from megatron_zpp.training.checkpoint import save_checkpoint
-
-            save_checkpoint(args.save, last_iteration, models, optimizer, scheduler, hooks)
+        if args.save and saved_iteration != last_iteration:
+            _save(args, last_iteration, models, optimizer, scheduler, hooks)
         if args.use_distributed_optimizer or args.use_megatron_fsdp:
             # Overlap leaves params stale until the next forward, and FSDP keeps them sharded:
             # gather them (with the policy's codec) so replicas can be compared.
@@ -310,6 +308,21 @@ def _evaluate_during_training(args, models, batches, forward_backward, device, p
         m.disable_forward_pre_hook(param_sync=True)
     try:
         return evaluate(args, models, batches, forward_backward, device, parallel_state)
+    finally:
+        for m in hooked:
+            m.enable_forward_pre_hook()
+
+
+def _save(args, iteration, models, optimizer, scheduler, hooks) -> None:
+    """A checkpoint of the weights the optimizer just produced: with overlapped parameter gathers the modules
+    still hold the previous step's until their next forward, so sync them first (as Megatron-LM does)."""
+    from megatron_zpp.training.checkpoint import save_checkpoint
+
+    hooked = [m for m in models if args.overlap_param_gather and hasattr(m, "disable_forward_pre_hook")]
+    for m in hooked:
+        m.disable_forward_pre_hook(param_sync=True)
+    try:
+        save_checkpoint(args, iteration, models, optimizer, scheduler, hooks)
     finally:
         for m in hooked:
             m.enable_forward_pre_hook()
