@@ -316,7 +316,7 @@ def checkpoint_damage(workdir: str) -> dict:
 
     base = SMALL + ["--use-distributed-optimizer", "--zpp-ranks-per-node", "2", "--zpp-policy", "none"]
     out: dict = {"partial_left": sorted(p.name for p in Path(workdir).glob("*.partial"))}
-    resumed = pretrain(base + ["--train-iters", "6", "--load", workdir], log=_quiet)
+    resumed = pretrain(base + ["--train-iters", "6", "--load", workdir, "--save", workdir], log=_quiet)
     out["resumed"] = resumed["losses"]
     folder = Path(workdir) / "iter_0000006"  # the save at the end of the resumed run
     out["partial_after_resave"] = sorted(p.name for p in Path(workdir).glob("*.partial"))

@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import signal
+import sys
 import tempfile
 from typing import Any, Callable
 
@@ -27,6 +29,10 @@ def _entry(rank: int, fn: Callable, world_size: int, ranks_per_node: int, workdi
         for name in ("LOCAL_WORLD_SIZE", "LOCAL_RANK", "SLURM_NTASKS_PER_NODE"):
             os.environ.pop(name, None)
     torch.set_num_threads(1)  # several processes share few cores
+    # When another rank fails, the spawner SIGTERMs this one: exit through Python so multiprocessing's exit
+    # handlers stop the helper processes this rank started (Megatron's checkpoint writer starts a Manager
+    # server), which would otherwise outlive the test holding its output pipes open.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:

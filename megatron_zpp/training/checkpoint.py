@@ -57,6 +57,16 @@ class CheckpointError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
+def _die_like_a_lost_node() -> None:
+    """SIGKILL this rank and the helper processes it started (Megatron's checkpoint writer keeps a Manager
+    server), as a lost node would; the helpers would otherwise outlive it."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        child.kill()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _inner_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
@@ -293,7 +303,7 @@ def save_checkpoint(args, iteration: int, models: list, optimizer, scheduler, ho
     dist.barrier()
 
     if os.environ.get("ZPP_TEST_KILL_DURING_SAVE") == str(iteration) and rank == 0:
-        os.kill(os.getpid(), signal.SIGKILL)  # tests: a kill after the data, before the commit
+        _die_like_a_lost_node()  # tests: a kill after the data, before the commit
 
     if rank == 0:
         files = sorted(p for p in partial.rglob("*") if p.is_file())
