@@ -81,6 +81,49 @@ def test_inconsistent_schedules_fail_before_megatron_asserts(flags, message):
         validate_args(build_parser().parse_args(flags), 1)
 
 
+# Each row was run through trainer.pretrain first: what Megatron-Core did without the check is in the comment.
+@pytest.mark.parametrize("flags, world, message", [
+    # AssertionError "First dimension of the tensor should be divisible by tensor parallel size" (mappings.py)
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "63",
+      "--max-position-embeddings", "64"], 2,
+     r"--seq-length 63 is not divisible by --tensor-model-parallel-size 2"),
+    # trained silently with 4 heads of 16 channels: a 64-wide attention in a 66-wide model
+    (["--hidden-size", "66"], 1, r"--hidden-size 66 is not divisible by --num-attention-heads 4"),
+    # AssertionError "129 is not divisible by 2 when instantiating TransformerLayer"
+    (["--tensor-model-parallel-size", "2", "--ffn-hidden-size", "129"], 2,
+     r"--ffn-hidden-size 129 \(default 4 x --hidden-size\) is not divisible by --tensor-model-parallel-size 2"),
+    (["--global-batch-size", "6", "--micro-batch-size", "4"], 1,
+     r"--global-batch-size 6 is not a multiple of --micro-batch-size 4 x data-parallel size 1 = 4"),
+    (["--global-batch-size", "4", "--micro-batch-size", "4"], 2,
+     r"--global-batch-size 4 is not a multiple of --micro-batch-size 4 x data-parallel size 2 = 8"),
+    (["--micro-batch-size", "0"], 1, r"--micro-batch-size 0 must be a positive integer"),
+    # AssertionError with no message (optimizer_param_scheduler.py)
+    (["--min-lr", "1e-2", "--lr", "1e-3"], 1, r"--min-lr 0.01 is larger than --lr 0.001"),
+    # trained without ever evaluating
+    (["--eval-interval", "2", "--eval-iters", "0"], 1, r"--eval-interval 2 with --eval-iters 0 would evaluate nothing"),
+    # trained without ever saving
+    (["--save-interval", "2"], 1, r"--save-interval 2 without --save"),
+    # RuntimeError "The remainder of M ... divided by N ... should be 0" (schedules.py), no flag named
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--global-batch-size", "6", "--micro-batch-size", "2"], 2,
+     r"--num-layers-per-virtual-pipeline-stage 1\) needs the number of micro-batches, --global-batch-size 6 / "
+     r"\(--micro-batch-size 2 x data-parallel size 1\) = 3, to be a multiple of --pipeline-model-parallel-size 2"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "3"], 2,
+     r"--num-layers-per-virtual-pipeline-stage 3 must divide the 2 layers"),
+])
+def test_inconsistent_sizes_fail_naming_the_flags(flags, world, message):
+    with pytest.raises(ValueError, match=message):
+        validate_args(build_parser().parse_args(flags), world)
+
+
+def test_one_virtual_stage_per_rank_is_plain_1f1b():
+    """As Megatron-LM: 2 layers per stage in virtual stages of 2 is not interleaved (it used to build an
+    interleaved schedule with one chunk, which Megatron's schedule rejected)."""
+    args = validate_args(build_parser().parse_args(["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                                                    "--num-layers-per-virtual-pipeline-stage", "2"]), 2)
+    assert args.virtual_pipeline_model_parallel_size is None and not args.overlap_p2p_comm
+
+
 def test_recompute_activations_is_selective():
     args = validate_args(build_parser().parse_args(["--recompute-activations"]), 1)
     assert args.recompute_granularity == "selective"

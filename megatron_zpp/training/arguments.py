@@ -142,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Derive defaults and check that the parallel sizes fit the world; errors name the values."""
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                 "global_batch_size", "train_iters"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {value} must be a positive integer")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1 or world_size % (tp * pp):
         raise ValueError(f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) "
@@ -154,6 +159,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ValueError(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
                          f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} = {per_step}")
     args.num_microbatches = args.global_batch_size // per_step
+    if args.hidden_size % args.num_attention_heads:
+        # Megatron-Core would quietly build attention heads of hidden // heads channels (a narrower attention).
+        raise ValueError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+                         f"{args.num_attention_heads}")
     if args.num_attention_heads % tp:
         raise ValueError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
                          f"--tensor-model-parallel-size {tp}")
@@ -165,9 +174,18 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         if pp < 2 or per_stage % args.num_layers_per_virtual_pipeline_stage:
             raise ValueError(f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage} "
                              f"must divide the {per_stage} layers of each of >= 2 pipeline stages")
-        args.virtual_pipeline_model_parallel_size = per_stage // args.num_layers_per_virtual_pipeline_stage
+        vpp = per_stage // args.num_layers_per_virtual_pipeline_stage
+        # As Megatron-LM: one virtual stage per rank is the plain 1F1B schedule, not an interleaved one.
+        args.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
         if args.use_megatron_fsdp:
             raise ValueError("--num-layers-per-virtual-pipeline-stage with --use-megatron-fsdp is not supported")
+    if args.virtual_pipeline_model_parallel_size and args.num_microbatches % pp:
+        # Megatron's interleaved schedule raises on this later, naming neither flag.
+        raise ValueError(f"the interleaved schedule (--num-layers-per-virtual-pipeline-stage "
+                         f"{args.num_layers_per_virtual_pipeline_stage}) needs the number of micro-batches, "
+                         f"--global-batch-size {args.global_batch_size} / (--micro-batch-size {args.micro_batch_size}"
+                         f" x data-parallel size {args.data_parallel_size}) = {args.num_microbatches}, to be a "
+                         f"multiple of --pipeline-model-parallel-size {pp}")
     # As in Megatron-LM: p2p overlap is the interleaved schedule's default and only exists there.
     args.overlap_p2p_comm = bool(args.overlap_p2p_comm and args.virtual_pipeline_model_parallel_size)
     if args.overlap_param_gather and not (args.use_distributed_optimizer or args.use_megatron_fsdp):
@@ -198,6 +216,20 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.seq_length > args.max_position_embeddings:
         raise ValueError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
                          f"{args.max_position_embeddings}")
+    if args.ffn_hidden_size % tp:
+        raise ValueError(f"--ffn-hidden-size {args.ffn_hidden_size} (default 4 x --hidden-size) is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    if args.sequence_parallel and tp > 1 and args.seq_length % tp:
+        raise ValueError(f"--sequence-parallel splits the sequence over the tensor-parallel ranks: --seq-length "
+                         f"{args.seq_length} is not divisible by --tensor-model-parallel-size {tp}")
+    if args.min_lr > args.lr:
+        raise ValueError(f"--min-lr {args.min_lr} is larger than --lr {args.lr} (Megatron's scheduler asserts "
+                         "min_lr <= lr with no message)")
+    if args.eval_interval and not args.eval_iters:
+        raise ValueError(f"--eval-interval {args.eval_interval} with --eval-iters {args.eval_iters} would evaluate "
+                         "nothing: give --eval-iters N (batches per evaluation) or drop --eval-interval")
+    if args.save_interval and not args.save:
+        raise ValueError(f"--save-interval {args.save_interval} without --save: nothing would be saved; add --save DIR")
     return args
 
 
