@@ -21,8 +21,15 @@ def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     return {flag: a for a in parser._actions for flag in a.option_strings if flag not in ("-h", "--help")}
 
 
+def _type(a: argparse.Action):
+    """A type's name; for a converter function (Megatron-LM's enum flags), what it makes of each choice's name."""
+    if a.type is None or isinstance(a.type, type) or not a.choices:
+        return getattr(a.type, "__name__", a.type)
+    return ("converts", tuple(a.type(getattr(c, "name", c)) for c in a.choices))
+
+
 def _describe(a: argparse.Action) -> dict:
-    return {"action": type(a).__name__, "dest": a.dest, "type": getattr(a.type, "__name__", a.type),
+    return {"action": type(a).__name__, "dest": a.dest, "type": _type(a),
             "default": a.default, "choices": tuple(a.choices) if a.choices else None}
 
 
@@ -47,7 +54,9 @@ def test_every_shared_flag_matches_megatron_lm():
     # the flags users reach for (issue [8]) are all there
     assert {"--eval-interval", "--exit-interval", "--save-interval", "--ddp-bucket-size", "--no-align-param-gather",
             "--recompute-granularity", "--recompute-activations", "--recompute-method", "--fp16", "--loss-scale",
-            "--seed", "--init-method-std", "--lr-decay-style", "--adam-beta2", "--eval-iters"} <= set(shared)
+            "--seed", "--init-method-std", "--lr-decay-style", "--adam-beta2", "--eval-iters", "--transformer-impl",
+            "--attention-backend", "--no-gradient-accumulation-fusion", "--no-bias-gelu-fusion",
+            "--no-masked-softmax-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm"} <= set(shared)
     # every documented difference is a flag we really share
     assert set(DIFFERENCES) <= set(shared), set(DIFFERENCES) - set(shared)
 
@@ -110,6 +119,9 @@ def test_inconsistent_schedules_fail_before_megatron_asserts(flags, message):
      r"\(--micro-batch-size 2 x data-parallel size 1\) = 3, to be a multiple of --pipeline-model-parallel-size 2"),
     (["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "3"], 2,
      r"--num-layers-per-virtual-pipeline-stage 3 must divide the 2 layers"),
+    (["--transformer-impl", "inference_optimized"], 1, r"inference_optimized is Megatron-LM's inference-only"),
+    (["--transformer-impl", "local", "--attention-backend", "flash"], 1,
+     r"--attention-backend flash selects a Transformer Engine attention; with --transformer-impl local valid: auto"),
 ])
 def test_inconsistent_sizes_fail_naming_the_flags(flags, world, message):
     with pytest.raises(ValueError, match=message):
@@ -122,6 +134,48 @@ def test_one_virtual_stage_per_rank_is_plain_1f1b():
     args = validate_args(build_parser().parse_args(["--pipeline-model-parallel-size", "2", "--num-layers", "4",
                                                     "--num-layers-per-virtual-pipeline-stage", "2"]), 2)
     assert args.virtual_pipeline_model_parallel_size is None and not args.overlap_p2p_comm
+
+
+def test_transformer_impl_default_falls_back_explicit_errors():
+    """Megatron-LM's default (transformer_engine) becomes local with the reason where TE cannot run; an
+    explicit request there fails with the install command; local is never changed."""
+    from megatron_zpp.training.model import resolve_transformer_impl
+
+    default = validate_args(build_parser().parse_args([]), 1)
+    explicit = validate_args(build_parser().parse_args(["--transformer-impl", "transformer_engine"]), 1)
+    local = validate_args(build_parser().parse_args(["--transformer-impl", "local"]), 1)
+    assert default.transformer_impl == "transformer_engine" and not default.transformer_impl_explicit
+    assert explicit.transformer_impl_explicit and local.transformer_impl_explicit
+    impl, note = resolve_transformer_impl(default, cuda=False, te=False, tp_compressed=False)
+    assert impl == "local" and "Transformer Engine is not installed" in note and 'pip install -e ".[gpu]"' in note
+    with pytest.raises(ValueError, match=r'--transformer-impl transformer_engine: Transformer Engine is not '
+                                         r'installed \(on a CUDA machine: pip install -e "\.\[gpu\]"\)'):
+        resolve_transformer_impl(explicit, cuda=False, te=False, tp_compressed=False)
+    with pytest.raises(ValueError, match="need a GPU"):
+        resolve_transformer_impl(explicit, cuda=False, te=True, tp_compressed=False)
+    with pytest.raises(ValueError, match="--zpp-tp codec"):
+        resolve_transformer_impl(explicit, cuda=True, te=True, tp_compressed=True)
+    assert resolve_transformer_impl(default, cuda=True, te=True, tp_compressed=True)[0] == "local"
+    assert resolve_transformer_impl(default, cuda=True, te=True, tp_compressed=False) == ("transformer_engine", "")
+    assert resolve_transformer_impl(local, cuda=True, te=True, tp_compressed=False) == ("local", "")
+
+
+def test_fusions_follow_megatron_lm_where_they_can_run():
+    from megatron_zpp.training.model import resolve_fusions
+
+    args = validate_args(build_parser().parse_args([]), 1)
+    on_cpu, why = resolve_fusions(args, "local", cuda=False)
+    assert not any(on_cpu.values()) and set(why.values()) == {"no GPU"}
+    with_te, why = resolve_fusions(args, "transformer_engine", cuda=True)
+    assert with_te["bias_activation_fusion"] and with_te["bias_dropout_fusion"] and with_te["masked_softmax_fusion"]
+    assert with_te["persist_layer_norm"] and not with_te["apply_rope_fusion"]  # learned absolute positions
+    # apex is not installed here: Megatron-Core's linear layers would raise on gradient_accumulation_fusion
+    assert not with_te["gradient_accumulation_fusion"] and "fused_weight_gradient_mlp_cuda" in \
+        why["gradient_accumulation_fusion"]
+    off = validate_args(build_parser().parse_args(["--no-bias-gelu-fusion", "--no-bias-dropout-fusion"]), 1)
+    fusions, why = resolve_fusions(off, "transformer_engine", cuda=True)
+    assert not fusions["bias_activation_fusion"] and not fusions["bias_dropout_fusion"]
+    assert "bias_activation_fusion" not in why  # turned off by the user: nothing to explain
 
 
 def test_recompute_activations_is_selective():

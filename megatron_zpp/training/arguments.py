@@ -31,10 +31,41 @@ DIFFERENCES = {
 PROJECT_RECIPE = ["--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--adam-beta2", "0.95",
                   "--lr-decay-style", "cosine", "--min-lr", "1e-4", "--eval-iters", "4", "--log-interval", "10"]
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+TRANSFORMER_IMPLS = ("local", "transformer_engine", "inference_optimized")  # Megatron-LM's choices, same order
+TE_INSTALL = 'pip install -e ".[gpu]"'
+
+
+def _attention_backend(name: str):
+    """``--attention-backend flash`` -> ``AttnBackend.flash`` (Megatron-LM parses it the same way)."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    try:
+        return AttnBackend[name]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"{name!r}; valid: {', '.join(b.name for b in AttnBackend)}") from None
+
+
+class _Parser(argparse.ArgumentParser):
+    """Records whether ``--transformer-impl`` was given (``args.transformer_impl_explicit``).
+
+    Megatron-LM's default, transformer_engine, falls back to local on a machine without Transformer
+    Engine (this CPU path); asking for it explicitly there is an error instead.
+    """
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace = argparse.Namespace() if namespace is None else namespace
+        given = hasattr(namespace, "transformer_impl")
+        if not given:
+            namespace.transformer_impl = None  # argparse leaves a preset attribute alone unless the flag is given
+        namespace, rest = super().parse_known_args(args, namespace)
+        namespace.transformer_impl_explicit = given or namespace.transformer_impl is not None
+        if namespace.transformer_impl is None:
+            namespace.transformer_impl = self.get_default("transformer_impl")
+        return namespace, rest
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="GPT pretraining on Megatron-Core with megatron_zpp compression",
+    p = _Parser(description="GPT pretraining on Megatron-Core with megatron_zpp compression",
                                 allow_abbrev=False)
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -82,6 +113,33 @@ def build_parser() -> argparse.ArgumentParser:
                         "(the first --recompute-num-layers layers of each stage)")
     g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+
+    from megatron.core.transformer.enums import AttnBackend  # lazily: only what the parser needs
+
+    g = p.add_argument_group("transformer implementation and fusions (Megatron-LM's defaults)")
+    g.add_argument("--transformer-impl", type=str, choices=TRANSFORMER_IMPLS, default="transformer_engine",
+                   help="transformer_engine: Transformer Engine's layers (Megatron-LM's default; needs a GPU and "
+                        f"`{TE_INSTALL}`; when left at this default without TE, the driver uses local and says "
+                        "why); local: Megatron-Core's own layers (runs anywhere, and the only choice with --zpp-tp "
+                        "compression, as TE's layers issue their own tensor-parallel collectives)")
+    g.add_argument("--attention-backend", type=_attention_backend, choices=list(AttnBackend),
+                   default=AttnBackend.auto, metavar="{" + ",".join(b.name for b in AttnBackend) + "}",
+                   help="auto (default): Transformer Engine picks flash, fused or unfused attention; local: "
+                        "Megatron-Core's attention; flash/fused/unfused force a TE backend (need "
+                        "--transformer-impl transformer_engine)")
+    # On by default as in Megatron-LM; each is enabled only where it can run (a GPU, plus the library it
+    # needs) and otherwise left off with the reason logged (megatron_zpp/training/model.py, resolve_fusions).
+    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
+                   help="fused weight-gradient accumulation into main_grad (GPU with apex's "
+                        "fused_weight_gradient_mlp_cuda)")
+    g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false",
+                   help="fused bias + GeLU (GPU; like Megatron-LM, the fused kernel is GeLU's tanh approximation)")
+    g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false",
+                   help="fused scale + mask + softmax (GPU; TE's attention, or apex's softmax kernels with local)")
+    g.add_argument("--no-bias-dropout-fusion", dest="bias_dropout_fusion", action="store_false",
+                   help="fused bias + dropout + residual add (GPU)")
+    g.add_argument("--no-persist-layer-norm", action="store_true",
+                   help="disable the persistent fused layer norm kernel (GPU; TE, or apex with local)")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=4)
@@ -230,7 +288,20 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                          "nothing: give --eval-iters N (batches per evaluation) or drop --eval-interval")
     if args.save_interval and not args.save:
         raise ValueError(f"--save-interval {args.save_interval} without --save: nothing would be saved; add --save DIR")
+    validate_transformer_impl(args)
     return args
+
+
+def validate_transformer_impl(args: argparse.Namespace) -> None:
+    """The flag combinations that are wrong on any machine (what the machine can run is decided later,
+    in ``megatron_zpp.training.model.resolve_transformer_impl``)."""
+    if args.transformer_impl == "inference_optimized":
+        raise ValueError("--transformer-impl inference_optimized is Megatron-LM's inference-only layer spec; for "
+                         "training valid: transformer_engine, local")
+    if args.transformer_impl == "local" and args.attention_backend.name in ("flash", "fused", "unfused"):
+        raise ValueError(f"--attention-backend {args.attention_backend.name} selects a Transformer Engine attention; "
+                         "with --transformer-impl local valid: auto, local (or use --transformer-impl "
+                         "transformer_engine)")
 
 
 def parse_wandb_config(entries: list[str] | dict) -> dict:
