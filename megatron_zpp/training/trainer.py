@@ -1,8 +1,8 @@
 """``pretrain(argv)``: GPT pretraining on Megatron-Core with a megatron_zpp compression policy.
 
 A compact driver in the shape of Megatron-LM's ``pretrain_gpt.py``: the model is
-Megatron-Core's ``GPTModel`` (local layer spec, so Transformer Engine is optional), wrapped in
-its ``DistributedDataParallel`` with its (distributed) optimizer and pipeline schedules; the
+Megatron-Core's ``GPTModel`` (``model.py``: Transformer Engine's layers where TE and a GPU are there,
+Megatron-Core's own otherwise), wrapped in its ``DistributedDataParallel`` with its (distributed) optimizer and pipeline schedules; the
 policy's hooks are installed before DDP is built. It runs on GPUs with NCCL and, when there is
 no GPU, on CPU processes with gloo through ``megatron_zpp.megatron.cpu_shim``.
 
@@ -15,7 +15,6 @@ Launch with torchrun (one process per GPU, or per CPU rank)::
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 import warnings
@@ -26,8 +25,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_zpp.training.arguments import build_parser, validate_args
-from megatron_zpp.training.data import VOCAB_SIZE, TokenWindows, builtin_corpus_prefix, micro_batches
+from megatron_zpp.training.data import TokenWindows, builtin_corpus_prefix, micro_batches
 from megatron_zpp.training.log import IterationLogger
+from megatron_zpp.training.model import (build_model, resolve_fusions, resolve_transformer_impl,
+                                         transformer_engine_available)
 
 
 def _init_distributed(args) -> torch.device:
@@ -44,48 +45,6 @@ def _init_distributed(args) -> torch.device:
     if not dist.is_initialized():
         dist.init_process_group(backend)
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-
-
-def _build_model(args, device):
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
-
-    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-    config = TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads, hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout, tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size, sequence_parallel=args.sequence_parallel,
-        params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16, fp16=args.fp16,
-        use_cpu_initialization=device.type == "cpu", init_method_std=args.init_method_std,
-        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers,
-        gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        batch_p2p_comm=not args.overlap_p2p_comm, overlap_p2p_comm=args.overlap_p2p_comm)
-    divisor = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    padded_vocab = math.ceil(VOCAB_SIZE / divisor) * divisor
-    vpp = args.virtual_pipeline_model_parallel_size
-    chunks = []
-    for vp_stage in range(vpp or 1):  # one chunk per virtual pipeline stage (interleaved schedule)
-        stage = vp_stage if vpp else None
-        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=padded_vocab,
-                         max_sequence_length=args.max_position_embeddings,
-                         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=not vpp, vp_stage=stage),
-                         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=not vpp, vp_stage=stage),
-                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                         position_embedding_type="learned_absolute", vp_stage=stage)
-        if device.type == "cuda":
-            model.cuda(device)
-        if args.bf16 or args.fp16:
-            from megatron.core.transformer.module import Float16Module
-
-            model = Float16Module(config, model)  # 16-bit weights and activations, fp32 logits (as Megatron-LM)
-        chunks.append(model)
-    return config, chunks
 
 
 def _loss_func(loss_mask, output_tensor):
@@ -133,6 +92,16 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
     hooks = hooks_from_args(args)
     hooks.device_type = device.type
     policy = hooks.policy
+    cuda = device.type == "cuda"
+    impl, impl_note = resolve_transformer_impl(
+        args, cuda=cuda, te=transformer_engine_available(),
+        tp_compressed=policy.compresses("tp") and args.tensor_model_parallel_size > 1)
+    fusions, fusions_off = resolve_fusions(args, impl, cuda=cuda)
+    if rank == 0:
+        if impl_note:
+            log(impl_note)
+        if fusions_off and cuda:  # on CPU all are off, as expected; on a GPU a missing library is worth a line
+            log("> fusions off: " + ", ".join(f"{k} ({v})" for k, v in fusions_off.items()))
     if plugin:
         hooks.install()
 
@@ -143,7 +112,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size)
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
         torch.manual_seed(args.seed)
-        config, chunks = _build_model(args, device)
+        config, chunks = build_model(args, device, impl, fusions)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=args.overlap_grad_reduce,
             overlap_param_gather=args.overlap_param_gather, use_distributed_optimizer=args.use_distributed_optimizer,
