@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 
 from megatron_zpp.policy import add_zpp_args
-from megatron_zpp.training.data import DEFAULT_SPLIT, validate_data_args
-from megatron_zpp.training.tokenizer import DEFAULT_TOKENIZER, TOKENIZER_TYPES
 
 # Flags whose default (or, where the reason says so, choices) differs from Megatron-LM's on purpose, and why
 # (the parity test reads this).
@@ -40,6 +38,10 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # Here, not at the top: the tools that import PROJECT_RECIPE need not import Megatron-Core.
+    from megatron_zpp.training.data import DEFAULT_SPLIT
+    from megatron_zpp.training.tokenizer import DEFAULT_TOKENIZER, TOKENIZER_TYPES
+
     p = argparse.ArgumentParser(description="GPT pretraining on Megatron-Core with megatron_zpp compression",
                                 allow_abbrev=False)
     g = p.add_argument_group("parallelism")
@@ -220,6 +222,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    from megatron_zpp.training.data import validate_data_args
+
     validate_data_args(args)
     if args.seq_length > args.max_position_embeddings:
         raise ValueError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "

@@ -32,6 +32,8 @@ from the consumed-samples count (``iteration x global_batch`` on resume); within
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -352,13 +354,19 @@ def build_datasets(args, tokenizer) -> Data:
     if verdict[0] is not None:
         raise ValueError(verdict[0])
 
+    path_to_cache = Path(args.data_cache_path) if args.data_cache_path else index_cache_dir(prefixes)
     config = GPTDatasetConfig(
         random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=blend_per_split,
-        split=split if blend is not None else None, path_to_cache=args.data_cache_path or str(index_cache_dir(prefixes)),
-        tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
-        create_attention_mask=False, mmap_bin_files=True)
-    # Every rank reads its own micro-batches, so every rank builds; the builder builds on rank 0 first.
-    train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, sample_counts(args), lambda: True, config).build()
+        split=split if blend is not None else None, path_to_cache=str(path_to_cache), tokenizer=tokenizer,
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+        mmap_bin_files=True)
+    sizes, rank = sample_counts(args), dist.get_rank()
+    # First rank 0 alone writes (or finds) the index caches, under a file lock: another job with the same data
+    # and flags may be writing the same files, which Megatron saves in place. Then every rank reads them (each
+    # reads its own micro-batches); the others wait in the builder's barriers meanwhile.
+    with _locked(path_to_cache) if rank == 0 else contextlib.nullcontext():
+        BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: rank == 0, config).build()
+    train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
     names = source or ", ".join(_blend_text(b, name) for b, name in
                                 ([(blend, "")] if blend else zip(blend_per_split, SPLIT_NAMES)) if b)
     description = (f"{names}" + (f", split {split}" if blend is not None else "")
@@ -371,6 +379,17 @@ def _blend_text(blend: Blend, split_name: str) -> str:
     names = [Path(p).name for p in prefixes]
     text = " ".join(names) if weights is None else " ".join(f"{w:g} {n}" for w, n in zip(weights, names))
     return f"{split_name}: {text}" if split_name else text
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def index_cache_dir(prefixes: Sequence[str]) -> Path:
