@@ -64,7 +64,8 @@ def test_a_megatron_lm_command_line_means_the_same_here():
             "--use-distributed-optimizer", "--overlap-grad-reduce", "--recompute-activations",
             "--tensor-model-parallel-size", "2", "--sequence-parallel", "--eval-interval", "20", "--save-interval", "25",
             "--data-path", "0.3", "data/a_text_document", "0.7", "data/b_text_document", "--split", "98,2,0",
-            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "gpt2/vocab.json", "--merge-file", "gpt2/merges.txt",
+            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "gpt2/vocab.json",
+            "--merge-file", "gpt2/merges.txt",
             "--data-cache-path", "cache"]
     megatron = vars(_megatron_parser().parse_args(argv))
     ours = vars(build_parser().parse_args(argv))

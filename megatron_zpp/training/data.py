@@ -155,7 +155,8 @@ def check_prefix(prefix: str) -> None:
     if missing:
         hint = ""
         if Path(prefix + "_text_document.bin").is_file():
-            hint = f" (did you mean {prefix}_text_document? tools/preprocess_data.py names its output PREFIX_KEY_document)"
+            hint = (f" (did you mean {prefix}_text_document? tools/preprocess_data.py names its output "
+                    "PREFIX_KEY_document)")
         raise FileNotFoundError(f"data prefix {prefix}: {' and '.join(missing)} not found{hint}; make a dataset with "
                                 "tools/preprocess_data.py")
 
@@ -343,7 +344,7 @@ def build_datasets(args, tokenizer) -> Data:
         blend, source = ([str(builtin_corpus_prefix())], None), "built-in corpus (Python stdlib sources)"
     prefixes = blend_prefixes(blend, blend_per_split)
     check_splits(blend, blend_per_split, split, args.seq_length)
-    # One rank reads the data for its largest id (then cached); all ranks raise the same error.
+    # One rank reads the data for its largest id (cached for large files); all ranks raise the same error.
     verdict = [None]
     if dist.get_rank() == 0:
         try:

@@ -70,7 +70,8 @@ def _build_model(args, device):
     chunks = []
     for vp_stage in range(vpp or 1):  # one chunk per virtual pipeline stage (interleaved schedule)
         stage = vp_stage if vpp else None
-        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.padded_vocab_size,
+        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                         vocab_size=args.padded_vocab_size,
                          max_sequence_length=args.max_position_embeddings,
                          pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=not vpp, vp_stage=stage),
                          post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=not vpp, vp_stage=stage),
