@@ -13,7 +13,8 @@ import argparse
 
 from megatron_zpp.policy import add_zpp_args
 
-# Flags whose default differs from Megatron-LM's on purpose, and why (the parity test reads this).
+# Flags whose default (or, where the reason says so, choices) differs from Megatron-LM's on purpose, and why
+# (the parity test reads this).
 DIFFERENCES = {
     "--num-layers": "required in Megatron-LM (no default); a small model here so `pretrain_gpt.py` runs bare",
     "--hidden-size": "required in Megatron-LM; a small default here",
@@ -24,6 +25,9 @@ DIFFERENCES = {
     "--lr": "Megatron-LM has no default learning rate (its optimizer config requires one); 1e-3 here",
     "--distributed-backend": "Megatron-LM defaults to nccl; here the default picks nccl with a GPU and gloo "
                              "without one (the CPU path)",
+    "--tokenizer-type": "choices: this driver's ByteTokenizer (the built-in corpus's, and the default when the flag "
+                        "is not given) and the Megatron-LM tokenizers it supports: GPT2BPETokenizer, "
+                        "HuggingFaceTokenizer, NullTokenizer",
 }
 # The recipe the project's own tools, benchmarks and tests train: what this driver's defaults were before
 # they followed Megatron-LM's (no dropout, Adam beta2 0.95, cosine decay to 1e-4, a short evaluation, logs
@@ -65,6 +69,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # Here, not at the top: the tools that import PROJECT_RECIPE need not import Megatron-Core.
+    from megatron_zpp.training.data import DEFAULT_SPLIT
+    from megatron_zpp.training.tokenizer import DEFAULT_TOKENIZER, TOKENIZER_TYPES
+
     p = _Parser(description="GPT pretraining on Megatron-Core with megatron_zpp compression",
                                 allow_abbrev=False)
     g = p.add_argument_group("parallelism")
@@ -166,9 +174,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp16 dynamic loss scaling: overflows tolerated before the scale halves")
     g.add_argument("--seed", type=int, default=1234)
 
-    g = p.add_argument_group("data, checkpoints, logging")
-    g.add_argument("--data-path", default=None,
-                   help="prefix of a .bin/.idx made by tools/preprocess_data.py; default: the built-in corpus")
+    g = p.add_argument_group("data and tokenizer")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="prefixes of .bin/.idx datasets (tools/preprocess_data.py), divided by --split: A, or "
+                        "A B (weighted by size), or weight/prefix pairs 0.3 A 0.7 B; default: the built-in corpus")
+    g.add_argument("--split", type=str, default=None,
+                   help=f"train,valid,test shares of each --data-path prefix's documents (default with "
+                        f"--data-path, as Megatron-LM: \"{DEFAULT_SPLIT}\")")
+    for split in ("train", "valid", "test"):
+        g.add_argument(f"--{split}-data-path", nargs="*", default=None,
+                       help=f"the {split} split's own blend (the --data-path syntax), instead of --data-path")
+    g.add_argument("--data-cache-path", default=None,
+                   help="directory for the dataset index caches (default: under ~/.cache/megatron_zpp/data/indices)")
+    g.add_argument("--tokenizer-type", type=str, choices=TOKENIZER_TYPES, default=None,
+                   help=f"default {DEFAULT_TOKENIZER} (UTF-8 bytes + end-of-document, 257 ids; the built-in "
+                        "corpus's); the vocabulary size comes from the tokenizer")
+    g.add_argument("--tokenizer-model", type=str, default=None,
+                   help="HuggingFaceTokenizer: a directory holding tokenizer.json, or that file")
+    g.add_argument("--vocab-file", type=str, default=None, help="GPT2BPETokenizer: vocab.json")
+    g.add_argument("--merge-file", type=str, default=None, help="GPT2BPETokenizer: merges.txt")
+    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: the number of ids")
+
+    g = p.add_argument_group("checkpoints, logging")
     g.add_argument("--save", type=str, default=None, help="directory to save a checkpoint to at the end (and every "
                                                 "--save-interval iterations)")
     g.add_argument("--save-interval", type=int, default=None)
@@ -288,6 +315,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    from megatron_zpp.training.data import validate_data_args
+
+    validate_data_args(args)
     if args.seq_length > args.max_position_embeddings:
         raise ValueError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
                          f"{args.max_position_embeddings}")

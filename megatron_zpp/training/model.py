@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import math
 
 import torch
 
 from megatron_zpp.training.arguments import TE_INSTALL
-from megatron_zpp.training.data import VOCAB_SIZE
 
 # Megatron-LM turns these on by default; each needs a GPU, some also a library (checked by import).
 FUSIONS = ("gradient_accumulation_fusion", "bias_activation_fusion", "masked_softmax_fusion", "bias_dropout_fusion",
@@ -137,8 +135,7 @@ def build_model(args: argparse.Namespace, device: torch.device, impl: str, fusio
             spec.submodules.self_attention.submodules.core_attention = DotProductAttention
     else:
         spec = get_gpt_layer_local_spec()
-    divisor = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    padded_vocab = math.ceil(VOCAB_SIZE / divisor) * divisor
+    padded_vocab = args.padded_vocab_size  # the tokenizer's vocabulary, padded as Megatron-LM (trainer)
     vpp = args.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):  # one chunk per virtual pipeline stage (interleaved schedule)

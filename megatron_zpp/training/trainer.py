@@ -25,10 +25,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_zpp.training.arguments import build_parser, validate_args
-from megatron_zpp.training.data import TokenWindows, builtin_corpus_prefix, micro_batches
+from megatron_zpp.training.data import build_datasets, micro_batches
 from megatron_zpp.training.log import IterationLogger
 from megatron_zpp.training.model import (build_model, resolve_fusions, resolve_transformer_impl,
                                          transformer_engine_available)
+from megatron_zpp.training.tokenizer import padded_vocab_size, tokenizer_from_args
 
 
 def _init_distributed(args) -> torch.device:
@@ -112,6 +113,11 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size)
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
         torch.manual_seed(args.seed)
+        tokenizer = tokenizer_from_args(args)
+        # Megatron-LM's embedding size: the tokenizer's vocabulary padded to divisible-by x TP.
+        args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+                                                   args.tensor_model_parallel_size)
+        data = build_datasets(args, tokenizer)  # first: a bad dataset fails before the model is built
         config, chunks = build_model(args, device, impl, fusions)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=args.overlap_grad_reduce,
@@ -172,28 +178,23 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
 
         dp_rank = parallel_state.get_data_parallel_rank()
         dp_size = parallel_state.get_data_parallel_world_size()
-        if args.data_path:
-            prefix = args.data_path
-        else:
-            if rank == 0:
-                builtin_corpus_prefix()
-            dist.barrier()
-            prefix = builtin_corpus_prefix()
-        train_data = TokenWindows(prefix, args.seq_length, "train", seed=args.seed)
         # One iterator per model chunk: with virtual stages each chunk pulls its own micro-batches.
-        iterators = [micro_batches(train_data, args.global_batch_size, args.micro_batch_size, dp_rank, dp_size,
-                                   start_sample=start_iteration * args.global_batch_size) for _ in models]
+        # Resuming at iteration k continues from sample k x global batch (Megatron-LM's consumed samples).
+        iterators = [micro_batches(data.train, start_iteration * args.global_batch_size, args.micro_batch_size,
+                                   dp_rank, dp_size) for _ in models]
         batches = iterators[0] if single else iterators
         forward_backward = get_forward_backward_func()
         logger = IterationLogger(args, policy, log=log, device=device)
-        logger.start(train_data, world)
+        logger.start(data.description, world)
 
         losses = []
         valid_batches = None  # one validation stream for every evaluation, as Megatron-LM's
         if args.eval_iters:
-            valid = TokenWindows(prefix, args.seq_length, "valid", seed=args.seed)
-            streams = [micro_batches(valid, args.global_batch_size, args.micro_batch_size, dp_rank, dp_size)
-                       for _ in models]
+            # The evaluations an earlier run made before iteration k consumed their samples (Megatron-LM
+            # keeps that count in its checkpoint; here it follows from --eval-interval).
+            evaluated = start_iteration // args.eval_interval if args.eval_interval else 0
+            consumed = evaluated * args.eval_iters * args.global_batch_size
+            streams = [micro_batches(data.valid, consumed, args.micro_batch_size, dp_rank, dp_size) for _ in models]
             valid_batches = streams[0] if single else streams
         last_iteration = args.train_iters
         saved_iteration = None
@@ -249,6 +250,9 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
                                 finite=_all_ranks_finite(optimizer, device), sharded=args.use_megatron_fsdp,
                                 replica_check=replica_check)
         summary["error_feedback_buckets"] = sorted(hooks._residuals)  # names of the buckets holding a residual
+        summary["tokenizer"] = {"type": args.tokenizer_type, "vocab_size": tokenizer.vocab_size,
+                                "padded_vocab_size": args.padded_vocab_size}
+        summary["model_vocab_size"] = _unwrap(chunks[0]).vocab_size
         if args.summary_json and rank == 0:
             Path(args.summary_json).write_text(json.dumps(summary, indent=1, default=str))
         return summary
@@ -256,6 +260,13 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         if hooks.installed:
             hooks.uninstall()
         parallel_state.destroy_model_parallel()
+
+
+def _unwrap(module):
+    """The GPTModel inside Float16Module (and similar single-module wrappers)."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module
 
 
 def _all_ranks_finite(optimizer, device) -> bool:
