@@ -40,9 +40,27 @@ def hooks_from_args(args) -> MegatronHooks:
     return MegatronHooks(policy, ranks_per_node=args.zpp_ranks_per_node, iteration_source=megatron_lm_iteration)
 
 
+def check_transformer_impl(args, hooks: MegatronHooks) -> None:
+    """Refuse a ``tp`` codec with Transformer Engine's layers (Megatron-LM's default ``--transformer-impl``).
+
+    The ``tp`` hooks replace Megatron-Core's tensor-parallel collectives (``tensor_parallel.mappings`` and
+    ``layers``); TE's linear layers issue their own, so most of the TP traffic would pass uncompressed
+    while the policy says otherwise.
+    """
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    if getattr(args, "transformer_impl", None) == "transformer_engine" and tp > 1 and hooks.policy.compresses("tp"):
+        raise ValueError(f"--zpp-tp {hooks.policy.codec('tp')} (policy {hooks.policy.name!r}) compresses "
+                         "Megatron-Core's tensor-parallel collectives, but --transformer-impl transformer_engine "
+                         "(Megatron-LM's default) runs Transformer Engine's layers, which issue their own: add "
+                         "--transformer-impl local, or --zpp-tp none")
+
+
 def install_from_args(args) -> MegatronHooks:
     """:func:`hooks_from_args`, installed: call after ``parse_and_validate_args``, before ``pretrain()``."""
-    return hooks_from_args(args).install()
+    hooks = hooks_from_args(args)
+    check_transformer_impl(args, hooks)
+    return hooks.install()
 
 
-__all__ = ["MegatronHooks", "hooks_from_args", "install_from_args", "zpp_extra_args_provider"]
+__all__ = ["MegatronHooks", "check_transformer_impl", "hooks_from_args", "install_from_args",
+           "zpp_extra_args_provider"]

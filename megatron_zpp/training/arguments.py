@@ -13,7 +13,8 @@ import argparse
 
 from megatron_zpp.policy import add_zpp_args
 
-# Flags whose default differs from Megatron-LM's on purpose, and why (the parity test reads this).
+# Flags whose default (or, where the reason says so, choices) differs from Megatron-LM's on purpose, and why
+# (the parity test reads this).
 DIFFERENCES = {
     "--num-layers": "required in Megatron-LM (no default); a small model here so `pretrain_gpt.py` runs bare",
     "--hidden-size": "required in Megatron-LM; a small default here",
@@ -24,6 +25,9 @@ DIFFERENCES = {
     "--lr": "Megatron-LM has no default learning rate (its optimizer config requires one); 1e-3 here",
     "--distributed-backend": "Megatron-LM defaults to nccl; here the default picks nccl with a GPU and gloo "
                              "without one (the CPU path)",
+    "--tokenizer-type": "choices: this driver's ByteTokenizer (the built-in corpus's, and the default when the flag "
+                        "is not given) and the Megatron-LM tokenizers it supports: GPT2BPETokenizer, "
+                        "HuggingFaceTokenizer, NullTokenizer",
 }
 # The recipe the project's own tools, benchmarks and tests train: what this driver's defaults were before
 # they followed Megatron-LM's (no dropout, Adam beta2 0.95, cosine decay to 1e-4, a short evaluation, logs
@@ -31,10 +35,45 @@ DIFFERENCES = {
 PROJECT_RECIPE = ["--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--adam-beta2", "0.95",
                   "--lr-decay-style", "cosine", "--min-lr", "1e-4", "--eval-iters", "4", "--log-interval", "10"]
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+TRANSFORMER_IMPLS = ("local", "transformer_engine", "inference_optimized")  # Megatron-LM's choices, same order
+TE_INSTALL = 'pip install -e ".[gpu]"'
+
+
+def _attention_backend(name: str):
+    """``--attention-backend flash`` -> ``AttnBackend.flash`` (Megatron-LM parses it the same way)."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    try:
+        return AttnBackend[name]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"{name!r}; valid: {', '.join(b.name for b in AttnBackend)}") from None
+
+
+class _Parser(argparse.ArgumentParser):
+    """Records whether ``--transformer-impl`` was given (``args.transformer_impl_explicit``).
+
+    Megatron-LM's default, transformer_engine, falls back to local on a machine without Transformer
+    Engine (this CPU path); asking for it explicitly there is an error instead.
+    """
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace = argparse.Namespace() if namespace is None else namespace
+        given = hasattr(namespace, "transformer_impl")
+        if not given:
+            namespace.transformer_impl = None  # argparse leaves a preset attribute alone unless the flag is given
+        namespace, rest = super().parse_known_args(args, namespace)
+        namespace.transformer_impl_explicit = given or namespace.transformer_impl is not None
+        if namespace.transformer_impl is None:
+            namespace.transformer_impl = self.get_default("transformer_impl")
+        return namespace, rest
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="GPT pretraining on Megatron-Core with megatron_zpp compression",
+    # Here, not at the top: the tools that import PROJECT_RECIPE need not import Megatron-Core.
+    from megatron_zpp.training.data import DEFAULT_SPLIT
+    from megatron_zpp.training.tokenizer import DEFAULT_TOKENIZER, TOKENIZER_TYPES
+
+    p = _Parser(description="GPT pretraining on Megatron-Core with megatron_zpp compression",
                                 allow_abbrev=False)
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -83,6 +122,33 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
 
+    from megatron.core.transformer.enums import AttnBackend  # lazily: only what the parser needs
+
+    g = p.add_argument_group("transformer implementation and fusions (Megatron-LM's defaults)")
+    g.add_argument("--transformer-impl", type=str, choices=TRANSFORMER_IMPLS, default="transformer_engine",
+                   help="transformer_engine: Transformer Engine's layers (Megatron-LM's default; needs a GPU and "
+                        f"`{TE_INSTALL}`; when left at this default without TE, the driver uses local and says "
+                        "why); local: Megatron-Core's own layers (runs anywhere, and the only choice with --zpp-tp "
+                        "compression, as TE's layers issue their own tensor-parallel collectives)")
+    g.add_argument("--attention-backend", type=_attention_backend, choices=list(AttnBackend),
+                   default=AttnBackend.auto, metavar="{" + ",".join(b.name for b in AttnBackend) + "}",
+                   help="auto (default): Transformer Engine picks flash, fused or unfused attention; local: "
+                        "Megatron-Core's attention; flash/fused/unfused force a TE backend (need "
+                        "--transformer-impl transformer_engine)")
+    # On by default as in Megatron-LM; each is enabled only where it can run (a GPU, plus the library it
+    # needs) and otherwise left off with the reason logged (megatron_zpp/training/model.py, resolve_fusions).
+    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
+                   help="fused weight-gradient accumulation into main_grad (GPU with apex's "
+                        "fused_weight_gradient_mlp_cuda)")
+    g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false",
+                   help="fused bias + GeLU (GPU; like Megatron-LM, the fused kernel is GeLU's tanh approximation)")
+    g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false",
+                   help="fused scale + mask + softmax (GPU; TE's attention, or apex's softmax kernels with local)")
+    g.add_argument("--no-bias-dropout-fusion", dest="bias_dropout_fusion", action="store_false",
+                   help="fused bias + dropout + residual add (GPU)")
+    g.add_argument("--no-persist-layer-norm", action="store_true",
+                   help="disable the persistent fused layer norm kernel (GPU; TE, or apex with local)")
+
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=4)
     g.add_argument("--global-batch-size", type=int, default=None, help="default micro batch x data parallel")
@@ -108,9 +174,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp16 dynamic loss scaling: overflows tolerated before the scale halves")
     g.add_argument("--seed", type=int, default=1234)
 
-    g = p.add_argument_group("data, checkpoints, logging")
-    g.add_argument("--data-path", default=None,
-                   help="prefix of a .bin/.idx made by tools/preprocess_data.py; default: the built-in corpus")
+    g = p.add_argument_group("data and tokenizer")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="prefixes of .bin/.idx datasets (tools/preprocess_data.py), divided by --split: A, or "
+                        "A B (weighted by size), or weight/prefix pairs 0.3 A 0.7 B; default: the built-in corpus")
+    g.add_argument("--split", type=str, default=None,
+                   help=f"train,valid,test shares of each --data-path prefix's documents (default with "
+                        f"--data-path, as Megatron-LM: \"{DEFAULT_SPLIT}\")")
+    for split in ("train", "valid", "test"):
+        g.add_argument(f"--{split}-data-path", nargs="*", default=None,
+                       help=f"the {split} split's own blend (the --data-path syntax), instead of --data-path")
+    g.add_argument("--data-cache-path", default=None,
+                   help="directory for the dataset index caches (default: under ~/.cache/megatron_zpp/data/indices)")
+    g.add_argument("--tokenizer-type", type=str, choices=TOKENIZER_TYPES, default=None,
+                   help=f"default {DEFAULT_TOKENIZER} (UTF-8 bytes + end-of-document, 257 ids; the built-in "
+                        "corpus's); the vocabulary size comes from the tokenizer")
+    g.add_argument("--tokenizer-model", type=str, default=None,
+                   help="HuggingFaceTokenizer: a directory holding tokenizer.json, or that file")
+    g.add_argument("--vocab-file", type=str, default=None, help="GPT2BPETokenizer: vocab.json")
+    g.add_argument("--merge-file", type=str, default=None, help="GPT2BPETokenizer: merges.txt")
+    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: the number of ids")
+
+    g = p.add_argument_group("checkpoints, logging")
     g.add_argument("--save", type=str, default=None, help="directory to save a checkpoint to at the end (and every "
                                                 "--save-interval iterations)")
     g.add_argument("--save-interval", type=int, default=None)
@@ -150,6 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Derive defaults and check that the parallel sizes fit the world; errors name the values."""
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                 "global_batch_size", "train_iters"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {value} must be a positive integer")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1 or world_size % (tp * pp):
         raise ValueError(f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) "
@@ -162,6 +252,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ValueError(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
                          f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} = {per_step}")
     args.num_microbatches = args.global_batch_size // per_step
+    if args.hidden_size % args.num_attention_heads:
+        # Megatron-Core would quietly build attention heads of hidden // heads channels (a narrower attention).
+        raise ValueError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+                         f"{args.num_attention_heads}")
     if args.num_attention_heads % tp:
         raise ValueError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
                          f"--tensor-model-parallel-size {tp}")
@@ -173,9 +267,18 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         if pp < 2 or per_stage % args.num_layers_per_virtual_pipeline_stage:
             raise ValueError(f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage} "
                              f"must divide the {per_stage} layers of each of >= 2 pipeline stages")
-        args.virtual_pipeline_model_parallel_size = per_stage // args.num_layers_per_virtual_pipeline_stage
+        vpp = per_stage // args.num_layers_per_virtual_pipeline_stage
+        # As Megatron-LM: one virtual stage per rank is the plain 1F1B schedule, not an interleaved one.
+        args.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
         if args.use_megatron_fsdp:
             raise ValueError("--num-layers-per-virtual-pipeline-stage with --use-megatron-fsdp is not supported")
+    if args.virtual_pipeline_model_parallel_size and args.num_microbatches % pp:
+        # Megatron's interleaved schedule raises on this later, naming neither flag.
+        raise ValueError(f"the interleaved schedule (--num-layers-per-virtual-pipeline-stage "
+                         f"{args.num_layers_per_virtual_pipeline_stage}) needs the number of micro-batches, "
+                         f"--global-batch-size {args.global_batch_size} / (--micro-batch-size {args.micro_batch_size}"
+                         f" x data-parallel size {args.data_parallel_size}) = {args.num_microbatches}, to be a "
+                         f"multiple of --pipeline-model-parallel-size {pp}")
     # As in Megatron-LM: p2p overlap is the interleaved schedule's default and only exists there.
     args.overlap_p2p_comm = bool(args.overlap_p2p_comm and args.virtual_pipeline_model_parallel_size)
     if args.overlap_param_gather and not (args.use_distributed_optimizer or args.use_megatron_fsdp):
@@ -212,10 +315,40 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    from megatron_zpp.training.data import validate_data_args
+
+    validate_data_args(args)
     if args.seq_length > args.max_position_embeddings:
         raise ValueError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
                          f"{args.max_position_embeddings}")
+    if args.ffn_hidden_size % tp:
+        raise ValueError(f"--ffn-hidden-size {args.ffn_hidden_size} (default 4 x --hidden-size) is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    if args.sequence_parallel and tp > 1 and args.seq_length % tp:
+        raise ValueError(f"--sequence-parallel splits the sequence over the tensor-parallel ranks: --seq-length "
+                         f"{args.seq_length} is not divisible by --tensor-model-parallel-size {tp}")
+    if args.min_lr > args.lr:
+        raise ValueError(f"--min-lr {args.min_lr} is larger than --lr {args.lr} (Megatron's scheduler asserts "
+                         "min_lr <= lr with no message)")
+    if args.eval_interval and not args.eval_iters:
+        raise ValueError(f"--eval-interval {args.eval_interval} with --eval-iters {args.eval_iters} would evaluate "
+                         "nothing: give --eval-iters N (batches per evaluation) or drop --eval-interval")
+    if args.save_interval and not args.save:
+        raise ValueError(f"--save-interval {args.save_interval} without --save: nothing would be saved; add --save DIR")
+    validate_transformer_impl(args)
     return args
+
+
+def validate_transformer_impl(args: argparse.Namespace) -> None:
+    """The flag combinations that are wrong on any machine (what the machine can run is decided later,
+    in ``megatron_zpp.training.model.resolve_transformer_impl``)."""
+    if args.transformer_impl == "inference_optimized":
+        raise ValueError("--transformer-impl inference_optimized is Megatron-LM's inference-only layer spec; for "
+                         "training valid: transformer_engine, local")
+    if args.transformer_impl == "local" and args.attention_backend.name in ("flash", "fused", "unfused"):
+        raise ValueError(f"--attention-backend {args.attention_backend.name} selects a Transformer Engine attention; "
+                         "with --transformer-impl local valid: auto, local (or use --transformer-impl "
+                         "transformer_engine)")
 
 
 def parse_wandb_config(entries: list[str] | dict) -> dict:

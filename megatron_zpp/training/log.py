@@ -81,12 +81,13 @@ class IterationLogger:
         if self.rank == 0:
             self._log(text, flush=True) if self._log is print else self._log(text)
 
-    def start(self, data, world: int) -> None:
+    def start(self, data: str, world: int) -> None:
+        """``data``: one line saying what the run trains on."""
         a = self.args
         self.log(f"> megatron_zpp: world {world} = TP {a.tensor_model_parallel_size} x PP "
                  f"{a.pipeline_model_parallel_size} x DP {a.data_parallel_size}; policy {self.policy.name}: "
                  + ", ".join(f"{d}={c}" for d, c in self.policy.codecs.items()))
-        self.log(f"> data: {data.num_tokens:,} tokens, {data.num_samples:,} samples of {a.seq_length} tokens; "
+        self.log(f"> data: {data}; tokenizer {a.tokenizer_type} (vocabulary padded to {a.padded_vocab_size}); "
                  f"global batch {a.global_batch_size} ({a.num_microbatches} micro-batches of {a.micro_batch_size})")
         comm_stats().reset()
         comm_timers().reset()

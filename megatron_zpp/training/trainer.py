@@ -1,8 +1,8 @@
 """``pretrain(argv)``: GPT pretraining on Megatron-Core with a megatron_zpp compression policy.
 
 A compact driver in the shape of Megatron-LM's ``pretrain_gpt.py``: the model is
-Megatron-Core's ``GPTModel`` (local layer spec, so Transformer Engine is optional), wrapped in
-its ``DistributedDataParallel`` with its (distributed) optimizer and pipeline schedules; the
+Megatron-Core's ``GPTModel`` (``model.py``: Transformer Engine's layers where TE and a GPU are there,
+Megatron-Core's own otherwise), wrapped in its ``DistributedDataParallel`` with its (distributed) optimizer and pipeline schedules; the
 policy's hooks are installed before DDP is built. It runs on GPUs with NCCL and, when there is
 no GPU, on CPU processes with gloo through ``megatron_zpp.megatron.cpu_shim``.
 
@@ -15,7 +15,6 @@ Launch with torchrun (one process per GPU, or per CPU rank)::
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 import warnings
@@ -26,8 +25,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_zpp.training.arguments import build_parser, validate_args
-from megatron_zpp.training.data import VOCAB_SIZE, TokenWindows, builtin_corpus_prefix, micro_batches
+from megatron_zpp.training.data import build_datasets, micro_batches
 from megatron_zpp.training.log import IterationLogger
+from megatron_zpp.training.model import (build_model, resolve_fusions, resolve_transformer_impl,
+                                         transformer_engine_available)
+from megatron_zpp.training.tokenizer import padded_vocab_size, tokenizer_from_args
 
 
 def _init_distributed(args) -> torch.device:
@@ -44,48 +46,6 @@ def _init_distributed(args) -> torch.device:
     if not dist.is_initialized():
         dist.init_process_group(backend)
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-
-
-def _build_model(args, device):
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
-
-    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-    config = TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads, hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout, tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size, sequence_parallel=args.sequence_parallel,
-        params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16, fp16=args.fp16,
-        use_cpu_initialization=device.type == "cpu", init_method_std=args.init_method_std,
-        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers,
-        gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        batch_p2p_comm=not args.overlap_p2p_comm, overlap_p2p_comm=args.overlap_p2p_comm)
-    divisor = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    padded_vocab = math.ceil(VOCAB_SIZE / divisor) * divisor
-    vpp = args.virtual_pipeline_model_parallel_size
-    chunks = []
-    for vp_stage in range(vpp or 1):  # one chunk per virtual pipeline stage (interleaved schedule)
-        stage = vp_stage if vpp else None
-        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=padded_vocab,
-                         max_sequence_length=args.max_position_embeddings,
-                         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=not vpp, vp_stage=stage),
-                         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=not vpp, vp_stage=stage),
-                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                         position_embedding_type="learned_absolute", vp_stage=stage)
-        if device.type == "cuda":
-            model.cuda(device)
-        if args.bf16 or args.fp16:
-            from megatron.core.transformer.module import Float16Module
-
-            model = Float16Module(config, model)  # 16-bit weights and activations, fp32 logits (as Megatron-LM)
-        chunks.append(model)
-    return config, chunks
 
 
 def _loss_func(loss_mask, output_tensor):
@@ -133,6 +93,16 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
     hooks = hooks_from_args(args)
     hooks.device_type = device.type
     policy = hooks.policy
+    cuda = device.type == "cuda"
+    impl, impl_note = resolve_transformer_impl(
+        args, cuda=cuda, te=transformer_engine_available(),
+        tp_compressed=policy.compresses("tp") and args.tensor_model_parallel_size > 1)
+    fusions, fusions_off = resolve_fusions(args, impl, cuda=cuda)
+    if rank == 0:
+        if impl_note:
+            log(impl_note)
+        if fusions_off and cuda:  # on CPU all are off, as expected; on a GPU a missing library is worth a line
+            log("> fusions off: " + ", ".join(f"{k} ({v})" for k, v in fusions_off.items()))
     if plugin:
         hooks.install()
 
@@ -143,7 +113,12 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size)
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
         torch.manual_seed(args.seed)
-        config, chunks = _build_model(args, device)
+        tokenizer = tokenizer_from_args(args)
+        # Megatron-LM's embedding size: the tokenizer's vocabulary padded to divisible-by x TP.
+        args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+                                                   args.tensor_model_parallel_size)
+        data = build_datasets(args, tokenizer)  # first: a bad dataset fails before the model is built
+        config, chunks = build_model(args, device, impl, fusions)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=args.overlap_grad_reduce,
             overlap_param_gather=args.overlap_param_gather, use_distributed_optimizer=args.use_distributed_optimizer,
@@ -203,28 +178,23 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
 
         dp_rank = parallel_state.get_data_parallel_rank()
         dp_size = parallel_state.get_data_parallel_world_size()
-        if args.data_path:
-            prefix = args.data_path
-        else:
-            if rank == 0:
-                builtin_corpus_prefix()
-            dist.barrier()
-            prefix = builtin_corpus_prefix()
-        train_data = TokenWindows(prefix, args.seq_length, "train", seed=args.seed)
         # One iterator per model chunk: with virtual stages each chunk pulls its own micro-batches.
-        iterators = [micro_batches(train_data, args.global_batch_size, args.micro_batch_size, dp_rank, dp_size,
-                                   start_sample=start_iteration * args.global_batch_size) for _ in models]
+        # Resuming at iteration k continues from sample k x global batch (Megatron-LM's consumed samples).
+        iterators = [micro_batches(data.train, start_iteration * args.global_batch_size, args.micro_batch_size,
+                                   dp_rank, dp_size) for _ in models]
         batches = iterators[0] if single else iterators
         forward_backward = get_forward_backward_func()
         logger = IterationLogger(args, policy, log=log, device=device)
-        logger.start(train_data, world)
+        logger.start(data.description, world)
 
         losses = []
         valid_batches = None  # one validation stream for every evaluation, as Megatron-LM's
         if args.eval_iters:
-            valid = TokenWindows(prefix, args.seq_length, "valid", seed=args.seed)
-            streams = [micro_batches(valid, args.global_batch_size, args.micro_batch_size, dp_rank, dp_size)
-                       for _ in models]
+            # The evaluations an earlier run made before iteration k consumed their samples (Megatron-LM
+            # keeps that count in its checkpoint; here it follows from --eval-interval).
+            evaluated = start_iteration // args.eval_interval if args.eval_interval else 0
+            consumed = evaluated * args.eval_iters * args.global_batch_size
+            streams = [micro_batches(data.valid, consumed, args.micro_batch_size, dp_rank, dp_size) for _ in models]
             valid_batches = streams[0] if single else streams
         last_iteration = args.train_iters
         saved_iteration = None
@@ -280,6 +250,9 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
                                 finite=_all_ranks_finite(optimizer, device), sharded=args.use_megatron_fsdp,
                                 replica_check=replica_check)
         summary["error_feedback_buckets"] = sorted(hooks._residuals)  # names of the buckets holding a residual
+        summary["tokenizer"] = {"type": args.tokenizer_type, "vocab_size": tokenizer.vocab_size,
+                                "padded_vocab_size": args.padded_vocab_size}
+        summary["model_vocab_size"] = _unwrap(chunks[0]).vocab_size
         if args.summary_json and rank == 0:
             Path(args.summary_json).write_text(json.dumps(summary, indent=1, default=str))
         return summary
@@ -287,6 +260,13 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         if hooks.installed:
             hooks.uninstall()
         parallel_state.destroy_model_parallel()
+
+
+def _unwrap(module):
+    """The GPTModel inside Float16Module (and similar single-module wrappers)."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module
 
 
 def _all_ranks_finite(optimizer, device) -> bool:
