@@ -23,7 +23,10 @@ def _close(a: float, b: float, rel: float) -> bool:
 
 @pytest.mark.parametrize("zero,layouts", [
     (["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"], ["DP4", "TP2xDP2", "PP2xDP2"]),
-    (["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"], ["DP4", "TP2xDP2"]),
+    # slow: Megatron-FSDP on gloo/CPU crashes now and then (SIGSEGV, ~1 run in 10 here, issue [9]); its
+    # fsdp_dtensor save and resume stay in the default run through test_megatron's FSDP resume tests.
+    pytest.param(["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"], ["DP4", "TP2xDP2"],
+                 marks=pytest.mark.slow),
 ], ids=["distopt", "megatron-fsdp"])
 def test_dp4_checkpoint_resumes_on_other_layouts(tmp_path, zero, layouts):
     r = run_distributed(checks.reshard_resume, 4, str(tmp_path), zero, layouts, ranks_per_node=2, timeout_s=900)[0]
