@@ -59,3 +59,25 @@ def test_killed_save_leaves_the_previous_checkpoint_and_damage_is_named(tmp_path
     assert r["partial_after_resave"] == []
     assert "truncated" in r["errors"]["truncate"] and ".distcp" in r["errors"]["truncate"]
     assert "corrupted" in r["errors"]["flip"] and ".distcp" in r["errors"]["flip"]
+
+
+def test_dcp_metadata_unpickler_admits_only_dcp_metadata():
+    """The restricted unpickler DCP's ``.metadata`` goes through: a global outside DCP's metadata classes, and a
+    dotted name that would walk from an allowed module to ``os``, are refused by name."""
+    import io
+    import os
+    import pickle
+
+    from megatron_zpp.training.checkpoint import CheckpointError, _DcpMetadataUnpickler
+
+    class Payload:
+        def __reduce__(self):
+            return (os.getpid, ())
+
+    with pytest.raises(CheckpointError, match="refusing to unpickle posix.getpid"):
+        _DcpMetadataUnpickler(io.BytesIO(pickle.dumps(Payload(), protocol=4))).load()
+    with pytest.raises(CheckpointError, match="refusing to unpickle torch.distributed.checkpoint.filesystem.os.getpid"):
+        _DcpMetadataUnpickler(io.BytesIO(b"")).find_class("torch.distributed.checkpoint.filesystem", "os.getpid")
+    import torch.distributed.checkpoint.metadata as dcp_metadata
+
+    assert _DcpMetadataUnpickler(io.BytesIO(pickle.dumps(dcp_metadata.Metadata({})))).load().state_dict_metadata == {}

@@ -87,13 +87,16 @@ def is_fsdp(models) -> bool:
         hasattr(getattr(model, "module", None), "install_optimized_model_weights")
 
 
-def _layout() -> dict:
-    """What per-rank state depends on: the parallel layout and this rank's place in it."""
+def _layout(args) -> dict:
+    """What per-rank state depends on: the parallel layout, this rank's place in it, and what shapes the
+    compression state (buckets, simulated nodes, the dp.grad codec)."""
     from megatron.core import parallel_state as ps
 
     return {"world_size": dist.get_world_size(), "rank": dist.get_rank(),
             "tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
-            "dp": ps.get_data_parallel_world_size()}
+            "dp": ps.get_data_parallel_world_size(), "vpp": args.virtual_pipeline_model_parallel_size,
+            "ddp_bucket_size": args.ddp_bucket_size, "zpp_ranks_per_node": getattr(args, "zpp_ranks_per_node", None),
+            "zpp_dp_grad": str(getattr(args, "zpp_dp_grad", None)), "zpp_policy": getattr(args, "zpp_policy", None)}
 
 
 def _padded_vocab(models) -> int:
@@ -193,7 +196,11 @@ def _materialize_adam_state(optimizer) -> None:
         steps = [float(st["step"]) for st in inner.state.values() if "step" in st]
         local_step = torch.tensor([max(steps) if steps else 0.0], dtype=torch.float64)
         if dist.is_initialized():
+            # NCCL reduces CUDA tensors only; every rank holds the same chained optimizers, so this stays in step.
+            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+            local_step = local_step.to(device)
             dist.all_reduce(local_step, op=dist.ReduceOp.MAX)
+            local_step = local_step.cpu()
         for group in inner.param_groups:
             for p in group["params"]:
                 state = inner.state[p]
@@ -294,7 +301,7 @@ def save_checkpoint(args, iteration: int, models: list, optimizer, scheduler, ho
 
     rank_dir = partial / RANK_STATE
     rank_dir.mkdir(exist_ok=True)
-    rank_state = {"layout": _layout(), "rng": _rng_state(),
+    rank_state = {"layout": _layout(args), "rng": _rng_state(),
                   "compression": hooks.state_dict() if hooks is not None else {}}
     with (rank_dir / f"rank_{rank:05d}.pt").open("wb") as f:
         torch.save(rank_state, f)
@@ -305,11 +312,18 @@ def save_checkpoint(args, iteration: int, models: list, optimizer, scheduler, ho
     if os.environ.get("ZPP_TEST_KILL_DURING_SAVE") == str(iteration) and rank == 0:
         _die_like_a_lost_node()  # tests: a kill after the data, before the commit
 
+    # Every rank hashes its share of the files (rank 0 alone would keep the others at the barrier for as long
+    # as hashing a large checkpoint takes, past collective timeouts).
+    files = sorted(str(p.relative_to(partial)) for p in partial.rglob("*") if p.is_file())
+    mine = {name: {"bytes": (partial / name).stat().st_size, "sha256": _file_digest(partial / name)}
+            for name in files[rank::dist.get_world_size()]}
+    shares: list = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, mine)
     if rank == 0:
-        files = sorted(p for p in partial.rglob("*") if p.is_file())
+        layout = _layout(args)
         manifest = {"format": args.ckpt_format, "iteration": iteration, "padded_vocab_size": _padded_vocab(models),
-                    "files": {str(p.relative_to(partial)): {"bytes": p.stat().st_size, "sha256": _file_digest(p)}
-                              for p in files}}
+                    "layout": {k: v for k, v in layout.items() if k != "rank"},
+                    "files": {name: entry for share in shares for name, entry in sorted(share.items())}}
         _write_atomically(partial / MANIFEST, json.dumps(manifest, indent=1))
         old = root / f"iter_{iteration:07d}.old"
         if final.exists():  # saving the same iteration again (a rerun): swap, then drop the old one
@@ -344,18 +358,47 @@ _ALLOWED_PICKLE_GLOBALS = {("torch", "Size"), ("torch", "float32"), ("torch", "f
                            ("torch", "int8"), ("torch", "bool"), ("torch", "strided"), ("torch", "contiguous_format"),
                            ("torch", "device"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
                            ("collections", "OrderedDict"), ("builtins", "set"),
-                           ("builtins", "frozenset"), ("builtins", "slice"), ("torch._utils", "_rebuild_tensor_v2"),
-                           ("torch.storage", "_load_from_bytes"), ("enum", "Enum")}
+                           ("builtins", "frozenset"), ("builtins", "slice")}
 
 
 class _DcpMetadataUnpickler(pickle.Unpickler):
     """Admits DCP's metadata classes and plain values only (DCP itself reads the file with ``pickle.load``)."""
 
     def find_class(self, module: str, name: str):
-        if module.startswith(_ALLOWED_PICKLE_MODULES) or (module, name) in _ALLOWED_PICKLE_GLOBALS:
+        # No dotted names: pickle would walk attributes from an allowed module to anything (e.g. ``os.system``).
+        if "." not in name and (module.startswith(_ALLOWED_PICKLE_MODULES) or (module, name) in _ALLOWED_PICKLE_GLOBALS):
             return super().find_class(module, name)
         raise CheckpointError(f"refusing to unpickle {module}.{name} from a checkpoint's DCP metadata "
                               "(only torch.distributed.checkpoint's metadata classes are allowed)")
+
+
+@contextlib.contextmanager
+def _safe_unpickling():
+    """During a load, DCP's own reads go through the restricted unpickler (its ``.metadata``) and
+    ``torch.load(weights_only=True)`` (its byte entries: Megatron's common state, sharded objects, the scheduler),
+    where torch 2.15 uses plain ``pickle.load`` and ``weights_only=False``."""
+    import types
+
+    import torch.distributed.checkpoint.default_planner as planner_module
+    import torch.distributed.checkpoint.filesystem as fs_module
+
+    original_pickle, original_load_bytes = fs_module.pickle, planner_module.DefaultLoadPlanner.load_bytes
+
+    def load_bytes(self, read_item, value):
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+    fs_module.pickle = types.SimpleNamespace(load=lambda f: _DcpMetadataUnpickler(f).load(), dump=pickle.dump)
+    planner_module.DefaultLoadPlanner.load_bytes = load_bytes
+    try:
+        yield
+    finally:
+        fs_module.pickle, planner_module.DefaultLoadPlanner.load_bytes = original_pickle, original_load_bytes
 
 
 def _check_dcp_metadata(folder: Path) -> None:
@@ -406,6 +449,32 @@ def verify_checkpoint(folder: Path) -> None:
         raise CheckpointError("checkpoint failed verification: " + "; ".join(found))
 
 
+def _load_sharded(args, folder: Path, state: dict, models, optimizer) -> dict:
+    from megatron.core import dist_checkpointing
+
+    if args.ckpt_format != "torch_dist":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(state, checkpoint_id=str(folder))
+        return state
+    content = dist_checkpointing.load_content_metadata(str(folder)) or {}
+    saved_sharding = content.get("distrib_optim_sharding_type")
+    if saved_sharding == "dp_reshardable":
+        saved = json.loads((folder / MANIFEST).read_text()).get("layout", {})
+        now = _layout(args)
+        if (saved.get("tp"), saved.get("pp")) != (now["tp"], now["pp"]):
+            raise CheckpointError(
+                f"--load {args.load}: the distributed optimizer was saved dp_reshardable at TP{saved.get('tp')} x "
+                f"PP{saved.get('pp')}, which reshards across data parallelism only; this run is TP{now['tp']} x "
+                f"PP{now['pp']}. Save with --dist-ckpt-optim-fully-reshardable to change TP/PP")
+    if saved_sharding is not None:
+        # Load in the format it was saved in (as Megatron-LM does); this run's sharding applies to saves.
+        metadata = dict(_sharded_metadata(args), distrib_optim_sharding_type=saved_sharding)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            {k: v for k, v in state.items() if k.startswith("model")}, is_loading=True, metadata=metadata)
+    return dist_checkpointing.load(state, str(folder), validate_access_integrity=True)
+
+
 def load_checkpoint(args, models: list, optimizer, scheduler, hooks=None, log=print) -> int:
     """Load the checkpoint ``args.load``'s tracker names (on any layout); return its iteration."""
     from megatron.core import dist_checkpointing
@@ -429,28 +498,8 @@ def load_checkpoint(args, models: list, optimizer, scheduler, hooks=None, log=pr
     state = _state_dict_for(args, models, optimizer, scheduler, loading=True)
     state["opt_param_scheduler"] = scheduler.state_dict()  # non-tensor entries come back in place
     try:
-        if args.ckpt_format == "torch_dist":
-            content = dist_checkpointing.load_content_metadata(str(folder)) or {}
-            saved_sharding = content.get("distrib_optim_sharding_type")
-            if saved_sharding == "dp_reshardable":
-                saved_layout = torch.load(folder / RANK_STATE / "rank_00000.pt", weights_only=True)["layout"]
-                now = _layout()
-                if (saved_layout["tp"], saved_layout["pp"]) != (now["tp"], now["pp"]):
-                    raise CheckpointError(
-                        f"--load {args.load}: the distributed optimizer was saved dp_reshardable at TP{saved_layout['tp']}"
-                        f" x PP{saved_layout['pp']}, which reshards across data parallelism only; this run is "
-                        f"TP{now['tp']} x PP{now['pp']}. Save with --dist-ckpt-optim-fully-reshardable to change TP/PP")
-            if saved_sharding is not None:
-                # Load in the format it was saved in (as Megatron-LM does); this run's sharding applies to saves.
-                metadata = dict(_sharded_metadata(args), distrib_optim_sharding_type=saved_sharding)
-                state["optimizer"] = optimizer.sharded_state_dict(
-                    {k: v for k, v in state.items() if k.startswith("model")}, is_loading=True, metadata=metadata)
-            loaded = dist_checkpointing.load(state, str(folder), validate_access_integrity=True)
-        else:
-            import torch.distributed.checkpoint as dcp
-
-            dcp.load(state, checkpoint_id=str(folder))
-            loaded = state
+        with _safe_unpickling():
+            loaded = _load_sharded(args, folder, state, models, optimizer)
     except CheckpointError:
         raise
     except Exception as e:
@@ -478,7 +527,7 @@ def load_checkpoint(args, models: list, optimizer, scheduler, hooks=None, log=pr
 
     rank_path = folder / RANK_STATE / f"rank_{dist.get_rank():05d}.pt"
     rank_state = torch.load(rank_path, weights_only=True) if rank_path.exists() else None
-    same_layout = rank_state is not None and rank_state["layout"] == _layout()
+    same_layout = rank_state is not None and rank_state["layout"] == _layout(args)
     if same_layout:
         _set_rng_state(rank_state["rng"])
         if hooks is not None:
@@ -487,7 +536,7 @@ def load_checkpoint(args, models: list, optimizer, scheduler, hooks=None, log=pr
         _reseed(args.seed, iteration)
         if dist.get_rank() == 0:
             saved = rank_state["layout"] if rank_state else "unknown"
-            log(f"> checkpoint layout {saved} differs from this run's {_layout()}: weights, optimizer and scheduler "
+            log(f"> checkpoint layout {saved} differs from this run's {_layout(args)}: weights, optimizer and scheduler "
                 "resharded; RNG re-seeded from --seed and the iteration; error-feedback residuals (if any) restart "
                 "from zero")
     return iteration

@@ -197,7 +197,10 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             streams = [micro_batches(data.valid, consumed, args.micro_batch_size, dp_rank, dp_size) for _ in models]
             valid_batches = streams[0] if single else streams
         last_iteration = args.train_iters
-        saved_iteration = None
+        # Resumed into the directory it loaded from: that iteration is saved already (re-saving it would only
+        # open a window in which the tracker names a directory being replaced).
+        same_dir = bool(args.load and args.save and Path(args.load).resolve() == Path(args.save).resolve())
+        saved_iteration = start_iteration if same_dir else None
         for iteration in range(start_iteration, args.train_iters):
             args.curr_iteration = iteration
             hooks.sync_iteration()  # schedule and rounding seeds for this step, before any collective
