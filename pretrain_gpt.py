@@ -8,9 +8,20 @@ Megatron-LM's flag names plus ``--zpp-*``; see ``python pretrain_gpt.py --help``
 Without a GPU it runs on CPU processes with gloo (the CPU shim is applied automatically).
 """
 
+import os
 import sys
+import traceback
 
 from megatron_zpp.training.trainer import pretrain
+from megatron_zpp.training.watchdog import EXIT_CODE, RankFailureError
 
 if __name__ == "__main__":
-    pretrain(sys.argv[1:])
+    try:
+        pretrain(sys.argv[1:])
+    except RankFailureError:
+        # Another rank died or hung (the message names it): exit now. The interpreter's own shutdown would
+        # join communication and checkpoint-writer threads that wait on the dead peer, for seconds or minutes.
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_CODE)

@@ -29,6 +29,8 @@ import torch.distributed as dist
 
 from megatron_zpp.comm import (HpzShard, Topology, comm_timers, compressed_all_reduce, hpz_all_gather,
                                qgz_reduce_scatter, quantized_all_gather, record_torch_collective, set_rounding_epoch)
+from megatron_zpp.comm._common import wire_format
+from megatron_zpp.compression import get_codec
 from megatron_zpp.policy import Policy, check_policy_agreement, check_policy_devices
 
 logger = logging.getLogger(__name__)
@@ -57,7 +59,10 @@ class MegatronHooks:
         self._iteration: int | None = None
         self._policy_agreed = False
         self.ranks_per_node = ranks_per_node or policy.ranks_per_node
-        self.grad_codec = policy.codec("dp.grad")
+        self._scheduled_grad_codec = policy.codec("dp.grad")
+        # Divergence guard (megatron_zpp/training/divergence.py): while set, every lossy dimension runs
+        # uncompressed; flipped only between iterations, at the same point on every rank.
+        self.lossy_suspended = False
         self._topologies: dict[tuple, Topology] = {}
         self._hpz_shards: dict[tuple[int, int], HpzShard] = {}
         self._pending_gathers: dict[tuple, object] = {}  # (pipeline, bucket key) -> our gather handle
@@ -77,7 +82,37 @@ class MegatronHooks:
     def set_iteration(self, iteration: int, train_iters: int) -> None:
         """Apply the dp.grad schedule: compress for the first ``dp_grad_until`` of the iterations."""
         compress = iteration < self.policy.dp_grad_until * train_iters
-        self.grad_codec = self.policy.codec("dp.grad") if compress else "none"
+        self._scheduled_grad_codec = self.policy.codec("dp.grad") if compress else "none"
+
+    @property
+    def grad_codec(self) -> str:
+        """The dp.grad codec of the current reduction: the schedule's, or none while lossy ones are suspended."""
+        return self._unless_suspended(self._scheduled_grad_codec)
+
+    def codec(self, dimension: str) -> str:
+        """The codec ``dimension`` runs now (``dp.grad`` follows the schedule too)."""
+        if dimension == "dp.grad":
+            return self.grad_codec
+        return self._unless_suspended(self.policy.codec(dimension))
+
+    @property
+    def lossy_dimensions(self) -> list[str]:
+        """The dimensions whose codec loses information (what the divergence guard switches off)."""
+        return [d for d, spec in self.policy.codecs.items() if spec != "none" and not get_codec(spec).lossless]
+
+    def suspend_lossy(self, suspended: bool) -> None:
+        """Run every lossy dimension uncompressed (``True``) or with its codec again. Call between
+        iterations on every rank (both sides of each collective must agree on its codec)."""
+        self.lossy_suspended = suspended
+        if getattr(self, "_model_parallel", None) is not None:
+            self._model_parallel.suspended = suspended
+        if suspended:
+            self.reset_error_feedback()
+
+    def _unless_suspended(self, spec: str) -> str:
+        if self.lossy_suspended and spec != "none" and not get_codec(spec).lossless:
+            return "none"
+        return spec
 
     def sync_iteration(self) -> None:
         """Read the iteration from ``iteration_source``; on a new one, apply the dp.grad schedule,
@@ -129,7 +164,8 @@ class MegatronHooks:
     def _hpz_shard(self, pipeline, bucket_id: int, shard_input, topo: Topology, codec: str) -> HpzShard:
         key = (id(pipeline), bucket_id)
         shard = self._hpz_shards.get(key)
-        if shard is None or shard.shard_numel != shard_input.numel() or shard.dtype != shard_input.dtype:
+        if shard is None or shard.shard_numel != shard_input.numel() or shard.dtype != shard_input.dtype \
+                or shard.format is not wire_format(topo, codec, "HpzShard"):  # the divergence guard switched codecs
             shard = HpzShard(topo, shard_input.numel(), shard_input.dtype, codec, device=shard_input.device)
             self._hpz_shards[key] = shard
         return shard
@@ -264,7 +300,7 @@ class MegatronHooks:
     def _route_fsdp_gather(self, pipeline, bucket_id: int, bwd: bool):
         hooks = self
         original = dist.all_gather_into_tensor
-        codec = self.policy.codec("dp.param")
+        codec = self.codec("dp.param")
 
         def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
             if hooks._is_private(group):  # our own collectives' inner calls
@@ -412,6 +448,13 @@ class MegatronHooks:
             raise RuntimeError(f"error feedback: bucket {bucket!r} changed size ({residual.numel()} -> {grads.numel()})")
         return residual
 
+    def reset_error_feedback(self) -> None:
+        """Zero every error-feedback residual: after a step with non-finite gradients (a NaN would stay in the
+        residual and poison every later reduction) and when lossy codecs are suspended."""
+        for residual in self._residuals.values():
+            residual.zero_()
+        self._loaded_residuals = {}
+
     def state_dict(self) -> dict:
         """Compression state a checkpoint keeps: the error-feedback residuals, by bucket name."""
         return {"error_feedback_residuals": {k: r.detach().cpu().clone() for k, r in self._residuals.items()}}
@@ -521,7 +564,7 @@ class MegatronHooks:
         recorded with ``none``). Yields the list our async handles are appended to."""
         hooks = self
         original_ag = pgb.dist_all_gather_func
-        codec = self.policy.codec("dp.param")
+        codec = self.codec("dp.param")
         handles: list = []
 
         def all_gather(output, input, group=None, async_op=False):

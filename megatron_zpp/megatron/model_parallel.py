@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from megatron_zpp.comm import Topology, compressed_all_reduce, qgz_reduce_scatter, quantized_all_gather
 from megatron_zpp.comm.p2p import SIZE_MESSAGE_BYTES, DecodingRequest, P2PCodec, record_p2p
+from megatron_zpp.compression import get_codec
 
 PP_TAG, TP_TAG = "pp", "tp"
 
@@ -39,6 +40,10 @@ class ModelParallelHooks:
         self.pp = P2PCodec(pp_codec) if pp_codec != "none" else None
         self.tp_codec = tp_codec
         self.ranks_per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None
+        # Set by the divergence guard (MegatronHooks.suspend_lossy) between iterations: lossy codecs step aside.
+        self.suspended = False
+        self._pp_lossy = pp_codec != "none" and not get_codec(pp_codec).lossless
+        self._tp_lossy = tp_codec != "none" and not get_codec(tp_codec).lossless
         self._restore: list[tuple[object, str, object]] = []
         self._topologies: dict[tuple[int, ...], Topology] = {}
 
@@ -72,6 +77,15 @@ class ModelParallelHooks:
 
         def encoded_call(name, *, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
                          group, prev_pipeline_rank, next_pipeline_rank):
+            if hooks.suspended and hooks._pp_lossy:  # Megatron's own p2p, uncompressed (still counted)
+                me, rpn = dist.get_rank(), hooks.ranks_per_node or dist.get_world_size()
+                for t, peer in ((tensor_send_prev, prev_pipeline_rank), (tensor_send_next, next_pipeline_rank)):
+                    if t is not None:
+                        record_p2p(PP_TAG, peer, me, rpn, t.numel() * t.element_size(), t.numel() * t.element_size())
+                return originals[name](
+                    tensor_send_prev=tensor_send_prev, tensor_recv_prev=tensor_recv_prev,
+                    tensor_send_next=tensor_send_next, tensor_recv_next=tensor_recv_next, group=group,
+                    prev_pipeline_rank=prev_pipeline_rank, next_pipeline_rank=next_pipeline_rank)
             me, rpn = dist.get_rank(), hooks.ranks_per_node or dist.get_world_size()  # at the call: installs before init
             sends = {}
             for key, t, peer in (("send_prev", tensor_send_prev, prev_pipeline_rank),
@@ -140,22 +154,24 @@ class ModelParallelHooks:
     def _install_tp(self) -> None:
         from megatron.core.tensor_parallel import layers, mappings
 
-        codec = self.tp_codec
         hooks = self
 
+        def codec() -> str:  # read at each call: the divergence guard may have suspended a lossy codec
+            return "none" if hooks.suspended and hooks._tp_lossy else hooks.tp_codec
+
         def all_gather(output, input, group=None, async_op=False):
-            return quantized_all_gather(output, input.contiguous(), hooks._topology(group), codec=codec,
+            return quantized_all_gather(output, input.contiguous(), hooks._topology(group), codec=codec(),
                                         async_op=async_op, tag=TP_TAG)
 
         def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-            return qgz_reduce_scatter(output, input.contiguous(), hooks._topology(group), codec=codec,
+            return qgz_reduce_scatter(output, input.contiguous(), hooks._topology(group), codec=codec(),
                                       op="sum" if op == dist.ReduceOp.SUM else "mean", async_op=async_op, tag=TP_TAG)
 
         def reduce(input_, group):  # mappings._reduce: all-reduce in the TP region
             if group.size() == 1:
                 return input_
             out = input_.contiguous()
-            compressed_all_reduce(out, hooks._topology(group), codec=codec, op="sum", tag=TP_TAG)
+            compressed_all_reduce(out, hooks._topology(group), codec=codec(), op="sum", tag=TP_TAG)
             return out
 
         for module in (mappings, layers):
@@ -173,7 +189,7 @@ class ModelParallelHooks:
             def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
                 if op != dist.ReduceOp.SUM or group is None or group.size() == 1:
                     return original(tensor, op=op, group=group, async_op=async_op)
-                return compressed_all_reduce(tensor, hooks._topology(group), codec=codec, op="sum",
+                return compressed_all_reduce(tensor, hooks._topology(group), codec=codec(), op="sum",
                                              async_op=async_op, tag=TP_TAG)
 
             dist.all_reduce = all_reduce

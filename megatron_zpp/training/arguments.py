@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "all-gathers separately instead of all at once (Megatron-LM's default: aligned)")
     g.add_argument("--distributed-backend", type=str, choices=("nccl", "gloo"), default=None,
                    help="default: nccl with a GPU, gloo without")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                   help="process-group timeout: a collective still waiting after this long fails (see also "
+                        "--zpp-rank-timeout, which names the rank that died or hung)")
 
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=2)
@@ -230,6 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra W&B config entry, repeatable (tools/sweep.py: the emulated link rate); VALUE is "
                         "read as JSON when it parses, else kept as a string")
     add_zpp_args(p)
+    from megatron_zpp.training.divergence import add_divergence_args
+    from megatron_zpp.training.watchdog import add_rank_failure_args
+
+    add_rank_failure_args(p)
+    add_divergence_args(p)
     return p
 
 
@@ -335,6 +343,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                          "nothing: give --eval-iters N (batches per evaluation) or drop --eval-interval")
     if args.save_interval and not args.save:
         raise ValueError(f"--save-interval {args.save_interval} without --save: nothing would be saved; add --save DIR")
+    if args.distributed_timeout_minutes < 1:
+        raise ValueError(f"--distributed-timeout-minutes {args.distributed_timeout_minutes} must be >= 1")
+    from megatron_zpp.training.divergence import divergence_config_from_args
+    from megatron_zpp.training.watchdog import rank_failure_config_from_args
+
+    rank_failure_config_from_args(args)  # errors name the flag now, before any process group exists
+    divergence_config_from_args(args)
     validate_transformer_impl(args)
     return args
 

@@ -14,8 +14,11 @@ Launch with torchrun (one process per GPU, or per CPU rank)::
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import signal
+import threading
 import time
 import warnings
 from functools import partial
@@ -25,11 +28,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_zpp.training.arguments import build_parser, validate_args
+from megatron_zpp.training.divergence import DivergenceGuard, divergence_config_from_args
 from megatron_zpp.training.data import build_datasets, micro_batches
 from megatron_zpp.training.log import IterationLogger
 from megatron_zpp.training.model import (build_model, resolve_fusions, resolve_transformer_impl,
                                          transformer_engine_available)
 from megatron_zpp.training.tokenizer import padded_vocab_size, tokenizer_from_args
+from megatron_zpp.training.watchdog import RankFailureError, RankWatchdog, rank_failure_config_from_args
 
 
 def _init_distributed(args) -> torch.device:
@@ -44,22 +49,65 @@ def _init_distributed(args) -> torch.device:
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
 
 def _loss_func(loss_mask, output_tensor):
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask)
+    loss = torch.sum(losses * mask) * _injected_loss_factor()
     num_tokens = mask.sum().to(torch.int)
     return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.float().view(1)])}
 
 
-def _forward_step(device, data_iterator, model):
+def _forward_step(device, on_micro_batch, data_iterator, model):
+    _injected_process_fault()
     batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    on_micro_batch()
     return output, partial(_loss_func, batch["loss_mask"])
+
+
+# Test-only fault injection (tests/test_reliability.py), read from ZPP_TEST_FAULT at each use:
+#   kill:RANK:ITER   rank RANK SIGKILLs itself in its first forward of 1-based iteration ITER
+#   hang:RANK:ITER   rank RANK blocks forever there (a rank stuck before its next collective)
+#   spike:ITER       every rank's loss (and so its gradients) x 100 at iteration ITER
+#   nan:RANK:ITER    rank RANK's loss (and so, through the gradient reduction, everyone's gradients) NaN
+_fault_state = {"iteration": 0, "micro_batch": 0}
+
+
+def _fault(kinds: tuple[str, ...]) -> tuple[str, int | None] | None:
+    spec = os.environ.get("ZPP_TEST_FAULT")
+    if not spec:
+        return None
+    kind, *numbers = spec.split(":")
+    rank, iteration = (None, int(numbers[0])) if len(numbers) == 1 else (int(numbers[0]), int(numbers[1]))
+    if kind not in kinds or iteration != _fault_state["iteration"] or rank not in (None, dist.get_rank()):
+        return None
+    return kind, rank
+
+
+def _injected_process_fault() -> None:
+    first = _fault_state["micro_batch"] == 0
+    _fault_state["micro_batch"] += 1
+    fault = _fault(("kill", "hang")) if first else None
+    if fault:
+        print(f"[fault injection] rank {dist.get_rank()}: {fault[0]} at iteration {_fault_state['iteration']}",
+              flush=True)
+    if fault and fault[0] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault:
+        threading.Event().wait()  # forever: only the watchdog's os._exit (or a signal) ends this process
+
+
+def _nothing() -> None:
+    pass
+
+
+def _injected_loss_factor() -> float:
+    fault = _fault(("spike", "nan"))
+    return 1.0 if fault is None else (100.0 if fault[0] == "spike" else float("nan"))
 
 
 def _quiet_known_warnings() -> None:
@@ -105,6 +153,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             log("> fusions off: " + ", ".join(f"{k} ({v})" for k, v in fusions_off.items()))
     if plugin:
         hooks.install()
+    watchdog = RankWatchdog(rank_failure_config_from_args(args)).start()
 
     try:
         parallel_state.initialize_model_parallel(
@@ -169,6 +218,9 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             # Registered after Megatron's hooks: digests the weights each module actually uses.
             replica_check = ReplicaWeightCheck(models, parallel_state.get_data_parallel_group())
 
+        guard = DivergenceGuard(divergence_config_from_args(args), hooks, device=device, fp16=args.fp16, log=log)
+        guard.install(optimizer)
+
         start_iteration = 0
         if args.load:
             from megatron_zpp.training.checkpoint import load_checkpoint
@@ -186,6 +238,11 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         forward_backward = get_forward_backward_func()
         logger = IterationLogger(args, policy, log=log, device=device)
         logger.start(data.description, world)
+        if logger.wandb is not None:
+            guard.wandb_log = lambda values, step: logger.wandb.log(values, step=step)
+
+        def on_micro_batch():
+            watchdog.progress(args.curr_iteration + 1, _fault_state["micro_batch"])
 
         losses = []
         valid_batches = None  # one validation stream for every evaluation, as Megatron-LM's
@@ -203,26 +260,33 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         saved_iteration = start_iteration if same_dir else None
         for iteration in range(start_iteration, args.train_iters):
             args.curr_iteration = iteration
+            _fault_state.update(iteration=iteration + 1, micro_batch=0)
+            watchdog.progress(iteration + 1, 0)
+            guard.begin(iteration + 1)  # before any collective: the codecs of this step
             hooks.sync_iteration()  # schedule and rounding seeds for this step, before any collective
             t0 = time.perf_counter()
             for m in models:
                 m.zero_grad_buffer()
             optimizer.zero_grad()
-            reduced = forward_backward(forward_step_func=partial(_forward_step, device), data_iterator=batches,
+            reduced = forward_backward(forward_step_func=partial(_forward_step, device, on_micro_batch),
+                                       data_iterator=batches,
                                        model=models, num_microbatches=args.num_microbatches,
                                        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                                        forward_only=False)
             update_ok, grad_norm, _ = optimizer.step()
             hooks.invalidate_secondary()  # also done by the weight-install hook; explicit for clarity
-            scheduler.step(increment=args.global_batch_size)
+            if update_ok:  # as Megatron-LM: a skipped step (overflow, non-finite gradients) leaves the schedule
+                scheduler.step(increment=args.global_batch_size)
             if replica_check is not None:
                 replica_check.end_iteration(iteration + 1)
             loss = _reduce_loss(reduced, parallel_state)
             losses.append(loss)
+            guard.end(iteration + 1, loss, grad_norm, update_ok)
             logger.iteration(iteration + 1, loss, scheduler.get_lr(optimizer.param_groups[0]), grad_norm,
                              time.perf_counter() - t0, update_ok, hooks.hpz_bytes)
             if args.save and args.save_interval and (iteration + 1) % args.save_interval == 0:
-                _save(args, iteration + 1, models, optimizer, scheduler, hooks)
+                with watchdog.paused():
+                    _save(args, iteration + 1, models, optimizer, scheduler, hooks)
                 saved_iteration = iteration + 1
             done = iteration + 1
             if args.exit_interval and done % args.exit_interval == 0 and done < args.train_iters:
@@ -232,11 +296,13 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
                 break
             if args.eval_interval and valid_batches is not None and done % args.eval_interval == 0 \
                     and done < args.train_iters:
-                loss_now = _evaluate_during_training(args, models, valid_batches, forward_backward, device,
-                                                     parallel_state)
+                with watchdog.paused():
+                    loss_now = _evaluate_during_training(args, models, valid_batches, forward_backward, device,
+                                                         parallel_state)
                 if rank == 0:
                     log(f"> validation loss at iteration {done}: {loss_now:.6f}")
         logger.end_training()  # per-iteration bytes: the loop only, not the final sync and evaluation
+        watchdog.loop_done()  # the final save and evaluation have no stall timeout; heartbeats go on
         if args.save and saved_iteration != last_iteration:
             _save(args, last_iteration, models, optimizer, scheduler, hooks)
         if args.use_distributed_optimizer or args.use_megatron_fsdp:
@@ -252,6 +318,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         summary = logger.finish(losses, models, hooks, valid_loss=valid_loss,
                                 finite=_all_ranks_finite(optimizer, device), sharded=args.use_megatron_fsdp,
                                 replica_check=replica_check)
+        summary["divergence_guard"] = guard.summary()
         summary["error_feedback_buckets"] = sorted(hooks._residuals)  # names of the buckets holding a residual
         summary["tokenizer"] = {"type": args.tokenizer_type, "vocab_size": tokenizer.vocab_size,
                                 "padded_vocab_size": args.padded_vocab_size}
@@ -259,7 +326,18 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         if args.summary_json and rank == 0:
             Path(args.summary_json).write_text(json.dumps(summary, indent=1, default=str))
         return summary
+    except Exception as e:
+        # A collective that failed because a peer died names no rank; the heartbeats do.
+        detail = watchdog.explain() if watchdog.enabled and not isinstance(e, (ValueError, ImportError)) else None
+        if detail:
+            log(f"[rank watchdog] rank {rank}: {detail}")
+            watchdog.publish(detail)
+            watchdog.mark_exiting()
+            watchdog.linger_if_store_host()
+            raise RankFailureError(f"rank {rank}: {type(e).__name__} in a collective because {detail}") from e
+        raise
     finally:
+        watchdog.stop()
         if hooks.installed:
             hooks.uninstall()
         parallel_state.destroy_model_parallel()
@@ -317,7 +395,7 @@ def evaluate(args, models, batches, forward_backward, device, parallel_state) ->
         m.eval()
     totals = []
     for _ in range(args.eval_iters):
-        reduced = forward_backward(forward_step_func=partial(_forward_step, device), data_iterator=batches,
+        reduced = forward_backward(forward_step_func=partial(_forward_step, device, _nothing), data_iterator=batches,
                                    model=models, num_microbatches=args.num_microbatches, seq_length=args.seq_length,
                                    micro_batch_size=args.micro_batch_size, forward_only=True)
         totals.append(_reduce_loss(reduced, parallel_state))

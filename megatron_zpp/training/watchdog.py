@@ -1,0 +1,274 @@
+"""Rank watchdog: when a rank dies or hangs, every other rank exits soon, naming it.
+
+A rank killed mid-step (a hardware fault, the OOM killer) leaves its peers either with a socket error
+from the collective they share ("Connection closed by peer", which names no rank) or blocked in one
+until the process-group timeout (``--distributed-timeout-minutes``, 10 by default). A rank hung in a
+kernel or a collective leaves them blocked. Neither says which rank to look at.
+
+Each rank runs a daemon thread that writes a heartbeat to the rendezvous store every
+``--zpp-heartbeat-interval`` seconds: a counter and the rank's progress (iteration and micro-batch, marked
+by the training loop, then the number of collectives it has launched, from the byte accounting, which
+separates a rank stuck before a collective from those waiting inside it). Two ways out:
+
+* the main thread's collective raises: ``explain()`` looks at the heartbeats, and a rank whose counter
+  stopped is named in the error raised instead (``RankFailureError``);
+* this rank has made no progress for ``--zpp-rank-timeout`` seconds: the thread names the ranks whose
+  heartbeat stopped, or those behind the others, prints it and ends the process (``os._exit``: the
+  main thread may be blocked inside a C++ collective that no Python exception can interrupt).
+
+Under torchrun a dead worker also makes its node's agent stop the node's other workers; the watchdog
+is what tells the other nodes' ranks, and the log reader, which rank it was. Restart with torchrun's
+``--max-restarts N`` and ``--load`` on the ``--save`` directory: the run resumes from the last complete
+checkpoint (saves are atomic, ``checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+# A rank whose heartbeat has not changed over this many intervals is gone: wide enough for a loaded host
+# to deschedule a live rank's heartbeat thread now and then (or its main thread to hold the GIL a while).
+LOOK_INTERVALS = 4
+EXIT_CODE = 75  # EX_TEMPFAIL: the job failed because of another rank; a restart may succeed
+
+
+class RankFailureError(RuntimeError):
+    """A collective failed because another rank died or hung; the message names it."""
+
+
+@dataclass(kw_only=True)
+class RankFailureConfig:
+    rank_timeout: float | None = None
+    """Seconds without progress (a micro-batch or an iteration finished) after which every rank exits
+    naming the ranks whose heartbeat stopped or that are behind; default --distributed-timeout-minutes
+    x 60. 0 turns the watchdog off."""
+    heartbeat_interval: float = 5.0
+    """Seconds between heartbeats in the rendezvous store; a rank whose heartbeat has not changed for 4
+    intervals counts as gone."""
+
+
+def add_rank_failure_args(parser) -> None:
+    from megatron_zpp.policy import add_dataclass_args
+
+    add_dataclass_args(parser, RankFailureConfig, "zpp", "megatron_zpp rank failures")
+
+
+def rank_failure_config_from_args(args) -> RankFailureConfig:
+    from megatron_zpp.policy import dataclass_from_args
+
+    config = dataclass_from_args(RankFailureConfig, args, "zpp")
+    if config.rank_timeout is None:
+        config.rank_timeout = 60.0 * args.distributed_timeout_minutes
+    if config.rank_timeout < 0:
+        raise ValueError(f"--zpp-rank-timeout {config.rank_timeout} must be >= 0 (0: no watchdog)")
+    if not config.heartbeat_interval > 0:
+        raise ValueError(f"--zpp-heartbeat-interval {config.heartbeat_interval} must be > 0 seconds")
+    if config.rank_timeout and config.rank_timeout < 3 * config.heartbeat_interval:
+        raise ValueError(f"--zpp-rank-timeout {config.rank_timeout} must be at least 3 x --zpp-heartbeat-interval "
+                         f"{config.heartbeat_interval}: a live rank's heartbeat must be seen changing first")
+    return config
+
+
+def _default_store():
+    """The store ``init_process_group`` rendezvoused through (torchrun's agent store, a TCPStore, a FileStore)."""
+    from torch.distributed import distributed_c10d
+
+    return dist.PrefixStore("zpp_watchdog/", distributed_c10d._get_default_store())
+
+
+class RankWatchdog:
+    def __init__(self, config: RankFailureConfig, store=None, log=None) -> None:
+        self.config = config
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.store = store if store is not None else _default_store()
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self._progress = (0, 0)
+        # None until the training loop marks its first iteration, and while paused (a checkpoint save or an
+        # evaluation may legitimately take longer than the timeout); a rank that dies then is still named
+        # through explain(), when its peers' collective fails.
+        self._last_progress: float | None = None
+        self._beats = 0
+        self._gone: set[int] = set()
+        self._paused = 0
+        self._explaining = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.config.rank_timeout)
+
+    def start(self) -> RankWatchdog:
+        if self.enabled:
+            self._beat()  # before the thread: every live rank has a key once the first collective passed
+            self._thread = threading.Thread(target=self._run, name="zpp-rank-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.config.heartbeat_interval)
+
+    def progress(self, iteration: int, micro_batch: int = 0) -> None:
+        """The training loop finished ``micro_batch`` of 1-based ``iteration`` (cheap: no I/O)."""
+        self._progress = (iteration, micro_batch)
+        if self._paused == 0:
+            self._last_progress = time.monotonic()
+
+    def loop_done(self) -> None:
+        """The training loop is over: no stall timeout from now on (heartbeats continue, so a peer that
+        fails in the final save or evaluation still sees this rank alive)."""
+        self._paused += 1
+        self._last_progress = None
+
+    @contextlib.contextmanager
+    def paused(self):
+        """No stall timeout inside (checkpoint saves, evaluations); the clock restarts on the way out."""
+        self._paused += 1
+        self._last_progress = None
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            if self._paused == 0:
+                self._last_progress = time.monotonic()
+
+    # ------------------------------------------------------------------ heartbeats
+    def _key(self, rank: int) -> str:
+        return f"rank{rank}"
+
+    def _point(self) -> tuple[int, int, int]:
+        """(iteration, micro-batch, collectives launched): compared in that order."""
+        from megatron_zpp.comm import comm_stats
+
+        launched = sum(s.calls for s in comm_stats().snapshot().values())  # under the counters' lock
+        return (*self._progress, launched)
+
+    def _beat(self) -> None:
+        self._beats += 1
+        self.store.set(self._key(self.rank), " ".join(map(str, (self._beats, *self._point()))))
+
+    def _read(self) -> dict[int, tuple[int, tuple[int, int, int]] | None]:
+        """Every rank's (beats, point); None for a rank that never wrote one."""
+        out: dict[int, tuple[int, tuple[int, int, int]] | None] = {}
+        for r in range(self.world):
+            key = self._key(r)
+            if not self.store.check([key]):  # get() would wait for a missing key until the store times out
+                out[r] = None
+                continue
+            beats, *point = (int(x) for x in self.store.get(key).decode().split())
+            out[r] = (beats, tuple(point))
+        return out
+
+    def _run(self) -> None:
+        interval = self.config.heartbeat_interval
+        while not self._stop.wait(interval):
+            try:
+                self._beat()
+                verdict = self._verdict()
+            except Exception as e:  # noqa: BLE001 - any store failure means its host is gone
+                if self._explaining:  # the main thread is naming the failed rank; let it finish
+                    continue
+                self._abort(f"the rendezvous store is unreachable ({type(e).__name__}: {e}); it is hosted by rank 0 "
+                            "or the launcher's agent, which has most likely died")
+            if verdict is not None and not self._explaining:
+                self._abort(verdict)
+            last = self._last_progress
+            stalled = 0.0 if last is None else time.monotonic() - last
+            if stalled > self.config.rank_timeout:
+                found = self.explain()
+                detail = found or (
+                    f"every rank is at {_where(self._point())} and none progressed: a collective that never "
+                    "completes (a hang inside the communication library or the network)")
+                message = f"no progress for {stalled:.1f} s (--zpp-rank-timeout {self.config.rank_timeout:g}): {detail}"
+                if found:
+                    self.publish(message)
+                self.mark_exiting()
+                self.linger_if_store_host()
+                self._abort(message)
+
+    def _verdict(self) -> str | None:
+        """What another rank found (``publish``), so a rank blocked in a collective that did not fail exits
+        at its next heartbeat instead of at its stall timeout."""
+        if not self.store.check(["verdict"]):
+            return None
+        finder, _, detail = self.store.get("verdict").decode().partition("|")
+        return f"{detail} (found by rank {finder})"
+
+    def publish(self, detail: str) -> None:
+        """Tell every rank's watchdog what failed (best effort: the store may be going down)."""
+        try:
+            self.store.set("verdict", f"{self.rank}|{detail}")
+        except Exception:  # noqa: BLE001
+            pass
+
+    def mark_exiting(self) -> None:
+        try:
+            self.store.set(f"exiting{self.rank}", "1")
+        except Exception:  # noqa: BLE001
+            pass
+
+    def explain(self) -> str | None:
+        """Which ranks failed: those whose heartbeat stopped (watched over LOOK_INTERVALS heartbeats), else those behind
+        the most advanced rank. None when every rank is alive and at the same point."""
+        self._explaining = True
+        try:
+            before = self._read()
+            on_watchdog_thread = threading.current_thread() is self._thread
+            for _ in range(LOOK_INTERVALS):
+                time.sleep(self.config.heartbeat_interval)
+                if on_watchdog_thread:  # its heartbeats must go on while it looks at everyone else's
+                    self._beat()
+            after = self._read()
+        except Exception as e:  # noqa: BLE001
+            return (f"the rendezvous store is unreachable ({type(e).__name__}: {e}); rank 0 or the launcher's "
+                    "agent that hosts it has most likely died")
+        gone = [r for r in range(self.world) if after[r] is None or before[r] == after[r] and r != self.rank]
+        self._gone = set(gone)
+        if gone:
+            where = "; ".join(f"rank {r}: " + ("never sent a heartbeat" if after[r] is None else
+                                               f"last seen at {_where(after[r][1])}") for r in gone)
+            return (f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} stopped responding "
+                    f"(no heartbeat for {LOOK_INTERVALS * self.config.heartbeat_interval:.1f} s; {where})")
+        points = {r: v[1] for r, v in after.items()}
+        points[self.rank] = self._point()
+        ahead = max(points.values())
+        behind = sorted(r for r, p in points.items() if p < ahead)
+        if behind:
+            where = ", ".join(f"rank {r} at {_where(points[r])}" for r in behind)
+            return (f"rank{'s' if len(behind) > 1 else ''} {', '.join(map(str, behind))} hung: {where}, while the "
+                    f"others reached {_where(ahead)}")
+        return None
+
+    def linger_if_store_host(self) -> None:
+        """Rank 0 hosts the store when launched without torchrun (env:// rendezvous): on a failure it waits
+        (bounded) until every rank still alive has read the verdict and is exiting, as its own exit takes the
+        store down with it."""
+        if self.rank != 0 or not self.enabled:
+            return
+        deadline = time.monotonic() + (LOOK_INTERVALS + 2) * self.config.heartbeat_interval
+        waiting = [r for r in range(1, self.world) if r not in self._gone]
+        while waiting and time.monotonic() < deadline:
+            try:
+                waiting = [r for r in waiting if not self.store.check([f"exiting{r}"])]
+            except Exception:  # noqa: BLE001
+                return
+            time.sleep(0.1)
+
+    def _abort(self, message: str) -> None:
+        self.mark_exiting()
+        self.log(f"[rank watchdog] rank {self.rank}: {message}; exiting (code {EXIT_CODE})")
+        os._exit(EXIT_CODE)
+
+
+def _where(point: tuple[int, int, int]) -> str:
+    iteration, micro, launched = point
+    return f"iteration {iteration}, micro-batch {micro} done, {launched} collectives launched"

@@ -1,0 +1,181 @@
+"""Rank failures and the divergence guard, on real processes (4 gloo ranks, 2 simulated nodes x 2).
+
+Ranks are started as independent processes (env:// rendezvous, rank 0 hosting the store), not under
+torchrun, whose agent would stop a dead worker's siblings itself: this checks what a rank on another
+node sees. Faults are injected with ZPP_TEST_FAULT (megatron_zpp/training/trainer.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+WORLD, RANKS_PER_NODE = 4, 2
+HEARTBEAT_S, RANK_TIMEOUT_S = 1.0, 10.0
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--micro-batch-size", "2", "--eval-iters", "0", "--log-interval", "1", "--hidden-dropout", "0",
+        "--attention-dropout", "0", "--use-distributed-optimizer", "--zpp-policy", "zeropp",
+        "--zpp-ranks-per-node", str(RANKS_PER_NODE), "--zpp-heartbeat-interval", str(HEARTBEAT_S),
+        "--zpp-rank-timeout", str(RANK_TIMEOUT_S), "--distributed-timeout-minutes", "2"]
+RUN_LIMIT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Ranks:
+    """WORLD ``pretrain_gpt.py`` processes; each one's output in ``out_dir/rank{r}.log``; killed on exit."""
+
+    def __init__(self, out_dir: Path, args: list[str], fault: str | None = None) -> None:
+        self.out_dir = out_dir
+        out_dir.mkdir(parents=True, exist_ok=True)
+        port = _free_port()
+        self.procs, self.logs = [], []
+        for r in range(WORLD):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(r % RANKS_PER_NODE),
+                       LOCAL_WORLD_SIZE=str(RANKS_PER_NODE), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+            env.pop("ZPP_TEST_FAULT", None)
+            if fault:
+                env["ZPP_TEST_FAULT"] = fault
+            log = open(out_dir / f"rank{r}.log", "w")
+            self.logs.append(log)
+            self.procs.append(subprocess.Popen([sys.executable, str(REPO / "pretrain_gpt.py"), *args], env=env,
+                                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+
+    def text(self, r: int) -> str:
+        return (self.out_dir / f"rank{r}.log").read_text(errors="replace")
+
+    def wait_for_line(self, r: int, needle: str, limit_s: float) -> float:
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            if needle in self.text(r):
+                return time.monotonic()
+            time.sleep(0.05)
+        raise AssertionError(f"rank {r} never printed {needle!r} in {limit_s} s:\n{self.text(r)[-3000:]}")
+
+    def exit_times(self, limit_s: float) -> dict[int, float]:
+        """Each rank's exit time (monotonic), polled every 50 ms; fails the test past ``limit_s``."""
+        deadline, done = time.monotonic() + limit_s, {}
+        while len(done) < WORLD and time.monotonic() < deadline:
+            for r, p in enumerate(self.procs):
+                if r not in done and p.poll() is not None:
+                    done[r] = time.monotonic()
+            time.sleep(0.05)
+        missing = [r for r in range(WORLD) if r not in done]
+        assert not missing, f"ranks {missing} still running after {limit_s} s"
+        return done
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+        for log in self.logs:
+            log.close()
+
+
+def _train(out_dir: Path, args: list[str], fault: str | None = None) -> tuple[Ranks, list[int]]:
+    ranks = Ranks(out_dir, args, fault)
+    try:
+        ranks.exit_times(RUN_LIMIT_S)
+    finally:
+        ranks.close()
+    return ranks, [p.returncode for p in ranks.procs]
+
+
+def _summary(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def test_killed_rank_names_it_and_the_restart_resumes(tmp_path):
+    iters = ["--train-iters", "8"]
+    ref_json = tmp_path / "ref.json"
+    ranks, codes = _train(tmp_path / "ref", TINY + iters + ["--summary-json", str(ref_json)])
+    assert codes == [0] * WORLD, [ranks.text(r)[-2000:] for r in range(WORLD)]
+    reference = _summary(ref_json)["losses"]
+
+    ckpt = tmp_path / "ckpt"
+    save = ["--save", str(ckpt), "--save-interval", "4"]
+    ranks = Ranks(tmp_path / "killed", TINY + iters + save, fault="kill:2:6")
+    try:
+        killed_at = ranks.wait_for_line(2, "[fault injection] rank 2: kill at iteration 6", RUN_LIMIT_S)
+        exits = ranks.exit_times(RANK_TIMEOUT_S + 60)
+    finally:
+        ranks.close()
+    seconds = {r: round(t - killed_at, 2) for r, t in exits.items() if r != 2}
+    print(f"\nSIGKILL of rank 2 at iteration 6: the other ranks exited after {seconds} s "
+          f"(heartbeat {HEARTBEAT_S} s, --zpp-rank-timeout {RANK_TIMEOUT_S} s)")
+    assert ranks.procs[2].returncode == -signal.SIGKILL
+    for r in (0, 1, 3):
+        assert ranks.procs[r].returncode != 0
+        assert "rank 2 stopped responding" in ranks.text(r), ranks.text(r)[-3000:]
+        assert seconds[r] < RANK_TIMEOUT_S, seconds
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+
+    resumed_json = tmp_path / "resumed.json"
+    ranks, codes = _train(tmp_path / "resumed", TINY + iters + save + ["--load", str(ckpt), "--summary-json",
+                                                                       str(resumed_json)])
+    assert codes == [0] * WORLD, [ranks.text(r)[-2000:] for r in range(WORLD)]
+    resumed = _summary(resumed_json)["losses"]
+    print(f"uninterrupted iterations 5-8: {reference[4:]}\nresumed from iteration 4:    {resumed}")
+    assert resumed == reference[4:]
+
+
+@pytest.mark.slow
+def test_hung_rank_is_named_by_every_rank_within_the_timeout(tmp_path):
+    ranks = Ranks(tmp_path / "hung", TINY + ["--train-iters", "8"], fault="hang:1:3")
+    try:
+        hung_at = ranks.wait_for_line(1, "[fault injection] rank 1: hang at iteration 3", RUN_LIMIT_S)
+        exits = ranks.exit_times(RANK_TIMEOUT_S + 60)
+    finally:
+        ranks.close()
+    seconds = {r: round(t - hung_at, 2) for r, t in exits.items()}
+    print(f"\nrank 1 hung at iteration 3: every rank exited after {seconds} s (--zpp-rank-timeout {RANK_TIMEOUT_S} s)")
+    for r in range(WORLD):
+        text = ranks.text(r)
+        assert ranks.procs[r].returncode == 75, (r, ranks.procs[r].returncode, text[-3000:])
+        assert "rank 1 hung" in text, text[-3000:]
+        # The timeout, the 2.5-heartbeat look at the store and one heartbeat of slack.
+        assert seconds[r] < RANK_TIMEOUT_S + 4 * HEARTBEAT_S + 5, seconds
+
+
+GUARD = TINY + ["--train-iters", "14", "--zpp-divergence-guard", "--zpp-divergence-fallback-iters", "3",
+                "--zpp-divergence-min-history", "3"]
+
+
+@pytest.mark.parametrize("fault,reason", [("spike:8", "loss spike"), ("nan:1:8", "non-finite gradients")])
+def test_divergence_guard_falls_back_and_recovers_on_every_rank(tmp_path, fault, reason):
+    summary_json = tmp_path / "summary.json"
+    ranks, codes = _train(tmp_path / "run", GUARD + ["--summary-json", str(summary_json)], fault=fault)
+    assert codes == [0] * WORLD, [ranks.text(r)[-2000:] for r in range(WORLD)]
+    for r in range(WORLD):
+        lines = [line for line in ranks.text(r).splitlines() if line.startswith("[divergence guard]")]
+        assert len(lines) == 2, lines
+        assert lines[0].startswith(f"[divergence guard] rank {r} iteration 8: {reason}"), lines
+        assert "lossy dimensions dp.grad, dp.param uncompressed for 3 iterations (iterations 9-11)" in lines[0]
+        assert lines[1] == f"[divergence guard] rank {r} iteration 12: fallback over; compressing again"
+    summary = _summary(summary_json)
+    assert summary["divergence_guard"]["uncompressed_iterations"] == [9, 10, 11]
+    losses = summary["losses"]
+    assert all(v == v and v < 10 for v in losses[8:]), losses  # finite and back near the pre-event loss
+    assert summary["finite"]  # the NaN step was skipped: no weight became NaN
+    # What went on the wire: iterations 9-11 sent dp.grad uncompressed (ratio 1), the others compressed.
+    ratios = {}
+    for line in ranks.text(0).splitlines():
+        if "] iteration " in line and "dp.grad MB" in line:
+            it = int(line.split("iteration")[1].split("/")[0])
+            ratios[it] = float(line.split("dp.grad MB intra/inter:")[1].split("(x")[1].split(")")[0])
+    assert [it for it, x in sorted(ratios.items()) if x == 1.0] == [9, 10, 11], ratios
