@@ -175,11 +175,15 @@ def _tail(path: Path, lines: int = 15) -> str:
         return f"(no log: {e})"
 
 
-def _environ_has(pid: int, entry: bytes) -> bool:
+def _is_job_process(pid: int, conf_entry: bytes) -> bool:
+    """A job step of this cluster or a process of one of its jobs: ``SLURM_CONF=<ours>`` in its environment and
+    either slurmstepd or SLURM_JOB_ID set. A shell that merely exported our SLURM_CONF has no SLURM_JOB_ID."""
     try:
-        return entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return False
+    return conf_entry in environ and (comm == "slurmstepd" or any(e.startswith(b"SLURM_JOB_ID=") for e in environ))
 
 
 @dataclass
@@ -261,13 +265,14 @@ class LocalCluster:
         self._kill_strays(timeout)
 
     def _kill_strays(self, timeout: float) -> None:
-        # slurmd double-forks slurmstepd, so job steps are not our children; they inherit SLURM_CONF.
+        # slurmd double-forks slurmstepd, so job steps are not our children; they and the jobs' processes carry
+        # SLURM_CONF (slurmd's, and SLURM sets it in every job's environment).
         marker = f"SLURM_CONF={self.conf}".encode()
         me = os.getpid()
 
         def strays() -> list[int]:
             return [int(d) for d in os.listdir("/proc") if d.isdigit() and int(d) != me
-                    and _environ_has(int(d), marker)]
+                    and _is_job_process(int(d), marker)]
         for sig in (signal.SIGTERM, signal.SIGKILL):
             pids = strays()
             for pid in pids:
@@ -352,16 +357,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"slurm_local: `up` process {pid} still running after 60 s", file=sys.stderr)
         return 1
 
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command if args.cmd == "run" else []
+    command = getattr(args, "command", [])
+    command = command[1:] if command[:1] == ["--"] else command
     if args.cmd == "run" and not command:
         p.error("run needs a command: run -- CMD ARGS...")
     # SIGTERM takes the same path as Ctrl-C: the context manager's exit stops the daemons.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
-        with local_cluster(args.state_dir, timeout=args.timeout, install=not args.no_install) as cluster:
+        with contextlib.ExitStack() as stack:
+            cluster = stack.enter_context(local_cluster(args.state_dir, timeout=args.timeout,
+                                                        install=not args.no_install))
             if args.cmd == "run":
                 return subprocess.run(command, env=cluster.env).returncode
-            (cluster.state_dir / "up.pid").write_text(str(os.getpid()))
+            pid_file = cluster.state_dir / "up.pid"
+            pid_file.write_text(str(os.getpid()))
+            stack.callback(pid_file.unlink, missing_ok=True)
             print(f"slurm_local: node {cluster.node} idle; state in {cluster.state_dir}\n"
                   f"  export SLURM_CONF={cluster.conf}\n"
                   f"  stop with Ctrl-C or: python tools/slurm_local.py down --state-dir {cluster.state_dir}",
