@@ -104,8 +104,10 @@ def node_memory_mb() -> int:
     return 1024
 
 
-def write_config(state_dir: Path, *, node: str, cpus: int, ctld_port: int, slurmd_port: int, user: str) -> Path:
-    """slurm.conf, cgroup.conf and an empty plugstack.conf for one node; returns the slurm.conf path."""
+def write_config(state_dir: Path, *, node: str, cpus: int, ctld_port: int, slurmd_port: int, user: str,
+                 munge_socket: Path | None = None) -> Path:
+    """slurm.conf, cgroup.conf and an empty plugstack.conf for one node; returns the slurm.conf path.
+    ``munge_socket``: default ``state_dir/munge.socket``."""
     for sub in ("ctld", "slurmd"):
         (state_dir / sub).mkdir(mode=0o700, exist_ok=True)
     # No cgroup plugin is configured (proctrack/linuxproc, task/none), so nothing reads this beyond slurmd's
@@ -124,7 +126,7 @@ SlurmUser={user}
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={s}/munge.socket
+AuthInfo=socket={munge_socket or s / "munge.socket"}
 StateSaveLocation={s}/ctld
 SlurmdSpoolDir={s}/slurmd
 SlurmctldPidFile={s}/slurmctld.pid
@@ -193,6 +195,7 @@ class LocalCluster:
     state_dir: Path
     conf: Path
     node: str
+    munge_socket: Path
     env: dict = field(default_factory=dict)
     procs: dict = field(default_factory=dict)  # name -> Popen of the daemons this cluster started
 
@@ -205,10 +208,10 @@ class LocalCluster:
         key = private / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
-        self._spawn("munged", [_which("munged"), "--foreground", f"--socket={s}/munge.socket",
+        self._spawn("munged", [_which("munged"), "--foreground", f"--socket={self.munge_socket}",
                                f"--key-file={key}", f"--pid-file={s}/munged.pid", f"--log-file={s}/munged.log",
                                f"--seed-file={private}/munged.seed", "--num-threads=2"])
-        self._wait_for(lambda: (s / "munge.socket").exists(), timeout, "munged to create its socket",
+        self._wait_for(self.munge_socket.exists, timeout, "munged to create its socket",
                        s / "munged.log")
         self._spawn("slurmctld", [_which("slurmctld"), "-D", "-f", str(self.conf)])
         self._spawn("slurmd", [_which("slurmd"), "-D", "-f", str(self.conf), "-N", self.node])
@@ -286,6 +289,10 @@ class LocalCluster:
                 return
 
 
+def _enterable_by_all(path: Path) -> bool:
+    return all(p.stat().st_mode & 0o001 for p in [path.resolve(), *path.resolve().parents])
+
+
 def check_can_run() -> None:
     if os.geteuid() != 0:
         raise SlurmUnavailable("slurmd must run as root (it starts job steps as the submitting user); "
@@ -311,10 +318,17 @@ def local_cluster(state_dir: str | Path | None = None, *, timeout: float = 60.0,
     path.chmod(0o755)
     node = socket.gethostname().split(".")[0]
     import pwd
+    socket_dir = path
+    if not _enterable_by_all(path):
+        # munged refuses a socket that not every user can reach (pytest's tmp directories are 0700): then a
+        # directory of its own under /tmp.
+        socket_dir = Path(tempfile.mkdtemp(prefix="zpp-munge-"))
+        socket_dir.chmod(0o755)
+    munge_socket = socket_dir / "munge.socket"
     conf = write_config(path, node=node, cpus=os.cpu_count() or 1, ctld_port=free_port(), slurmd_port=free_port(),
-                        user=pwd.getpwuid(os.geteuid()).pw_name)
+                        user=pwd.getpwuid(os.geteuid()).pw_name, munge_socket=munge_socket)
     env = dict(os.environ, SLURM_CONF=str(conf), PATH=SEARCH_PATH)
-    cluster = LocalCluster(state_dir=path, conf=conf, node=node, env=env)
+    cluster = LocalCluster(state_dir=path, conf=conf, node=node, munge_socket=munge_socket, env=env)
     try:
         cluster.start(timeout)
         yield cluster
@@ -322,6 +336,8 @@ def local_cluster(state_dir: str | Path | None = None, *, timeout: float = 60.0,
         cluster.stop()
         if owned:
             shutil.rmtree(path, ignore_errors=True)
+        if socket_dir != path:
+            shutil.rmtree(socket_dir, ignore_errors=True)
 
 
 def _raise_keyboard_interrupt(signum, frame):
