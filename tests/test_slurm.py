@@ -111,6 +111,31 @@ def test_slurm_conf_names_the_private_paths(tmp_path):
     assert (tmp_path / "cgroup.conf").exists()
 
 
+def test_install_needs_root_and_names_the_packages(monkeypatch):
+    monkeypatch.setattr(slurm_local, "missing_binaries", lambda: ["slurmd", "munged"])
+    monkeypatch.setattr(slurm_local.os, "geteuid", lambda: 1000)
+    with pytest.raises(slurm_local.SlurmUnavailable, match=r"slurmd, munged not installed and not root: run "
+                       r"`apt-get install -y slurmctld slurmd slurm-client munge` as root"):
+        slurm_local.ensure_installed(timeout=1, log=lambda *a: None)
+
+
+def test_install_failure_names_the_command(monkeypatch):
+    """A failing apt-get (offline CI) is a SlurmUnavailable with its exit code and output, which the fixture skips on."""
+    monkeypatch.setattr(slurm_local, "missing_binaries", lambda: ["slurmctld"])
+    monkeypatch.setattr(slurm_local.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(slurm_local.shutil, "which", lambda name, **kw: f"/usr/bin/{name}")
+    ran = []
+
+    def apt(cmd, **kw):
+        ran.append(cmd)
+        return subprocess.CompletedProcess(cmd, 100, "", "E: Could not resolve deb.debian.org")
+    monkeypatch.setattr(slurm_local.subprocess, "run", apt)
+    with pytest.raises(slurm_local.SlurmUnavailable, match=r"`apt-get update` failed with exit code 100: "
+                       r"E: Could not resolve deb.debian.org"):
+        slurm_local.ensure_installed(timeout=5, log=lambda *a: None)
+    assert ran == [["apt-get", "update"]]
+
+
 # ---------------------------------------------------------------- a real cluster
 
 PYTHON = sys.executable
