@@ -104,8 +104,9 @@ def test_dry_run_cpu_mode_with_simulated_nodes(tmp_path):
 def test_slurm_conf_names_the_private_paths(tmp_path):
     conf = slurm_local.write_config(tmp_path, node="n0", cpus=3, ctld_port=40001, slurmd_port=40002, user="root")
     text = conf.read_text()
-    for line in ("ClusterName=zpp-local", "SlurmctldPort=40001", "SlurmdPort=40002", "ProctrackType=proctrack/linuxproc",
-                 "TaskPlugin=task/none", f"StateSaveLocation={tmp_path}/ctld", f"AuthInfo=socket={tmp_path}/munge.socket",
+    for line in ("ClusterName=zpp-local", "SlurmctldPort=40001", "SlurmdPort=40002",
+                 "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", f"StateSaveLocation={tmp_path}/ctld",
+                 f"AuthInfo=socket={tmp_path}/munge.socket",
                  "NodeName=n0 NodeAddr=127.0.0.1 CPUs=3"):
         assert line in text, line
     assert (tmp_path / "cgroup.conf").exists()
@@ -120,7 +121,7 @@ def test_install_needs_root_and_names_the_packages(monkeypatch):
 
 
 def test_install_failure_names_the_command(monkeypatch):
-    """A failing apt-get (offline CI) is a SlurmUnavailable with its exit code and output, which the fixture skips on."""
+    """A failing apt-get (offline CI) is a SlurmUnavailable with its exit code and output (the fixture skips)."""
     monkeypatch.setattr(slurm_local, "missing_binaries", lambda: ["slurmctld"])
     monkeypatch.setattr(slurm_local.os, "geteuid", lambda: 0)
     monkeypatch.setattr(slurm_local.shutil, "which", lambda name, **kw: f"/usr/bin/{name}")

@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import ctypes
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -229,12 +230,13 @@ class LocalCluster:
         while time.monotonic() < deadline:
             dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
             if dead:
-                raise SlurmUnavailable(f"waiting for {what}: {', '.join(f'{n} exited with {c}' for n, c in dead.items())}"
+                exits = ", ".join(f"{n} exited with {c}" for n, c in dead.items())
+                raise SlurmUnavailable(f"waiting for {what}: {exits}"
                                        + self._logs(*logs))
             if ready():
                 return
             time.sleep(0.5)
-        raise SlurmUnavailable(f"timed out after {timeout:.0f} s waiting for {what}" + self._logs(*logs))
+        raise SlurmUnavailable(f"timed out after {timeout:g} s waiting for {what}" + self._logs(*logs))
 
     def _logs(self, *logs: Path) -> str:
         names = list(logs) + [self.state_dir / f"{n}.stdout" for n in self.procs]
@@ -317,7 +319,6 @@ def local_cluster(state_dir: str | Path | None = None, *, timeout: float = 60.0,
     # socket directory others cannot enter, and one they can write).
     path.chmod(0o755)
     node = socket.gethostname().split(".")[0]
-    import pwd
     socket_dir = path
     if not _enterable_by_all(path):
         # munged refuses a socket that not every user can reach (pytest's tmp directories are 0700): then a
