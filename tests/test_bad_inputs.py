@@ -516,10 +516,12 @@ def _checkpoint_worker(workdir: str) -> dict:
     from megatron_zpp.training.checkpoint import CheckpointError
     from megatron_zpp.training.trainer import pretrain
 
-    base = megatron_checks.SMALL + ["--use-distributed-optimizer", "--zpp-ranks-per-node", "1", "--eval-iters", "0"]
+    # Padded to 256 rows' multiples, the vocabulary is the same at TP1 and TP2 (the TP row tests the optimizer format)
+    base = megatron_checks.SMALL + ["--use-distributed-optimizer", "--zpp-ranks-per-node", "1", "--eval-iters", "0",
+                                    "--make-vocab-size-divisible-by", "256"]
     pretrain(base + ["--train-iters", "2", "--save", workdir], log=megatron_checks._quiet)
     out: dict = {}
-    for row, extra in (("ckpt-other-vocab-padding", ["--make-vocab-size-divisible-by", "256"]),
+    for row, extra in (("ckpt-other-vocab-padding", ["--make-vocab-size-divisible-by", "128"]),
                        ("ckpt-other-tp-dp-reshardable", ["--tensor-model-parallel-size", "2"])):
         try:
             pretrain(base + extra + ["--train-iters", "3", "--load", workdir], log=megatron_checks._quiet)
@@ -544,8 +546,8 @@ def test_checkpoint_from_another_layout_or_policy(tmp_path):
     with _bounded(SPAWN_LIMIT_S + 60, "checkpoint rows"):
         r = run_distributed(_checkpoint_worker, 2, str(tmp_path), ranks_per_node=1, timeout_s=GLOO_TIMEOUT_S * 3)[0]
     print(f"\n{r}")
-    assert re.search(r"saved with a padded vocabulary of 384 rows, this run pads to 512 "
-                     r"\(--make-vocab-size-divisible-by 256", r["ckpt-other-vocab-padding"])
+    assert re.search(r"saved with a padded vocabulary of 512 rows, this run pads to 384 "
+                     r"\(--make-vocab-size-divisible-by 128", r["ckpt-other-vocab-padding"])
     assert re.search(r"saved dp_reshardable at TP1 x PP1.*this run is TP2 x PP1.*--dist-ckpt-optim-fully-reshardable",
                      r["ckpt-other-tp-dp-reshardable"])
     policy = r["ckpt-other-policy"]
