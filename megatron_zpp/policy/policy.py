@@ -108,6 +108,12 @@ def _canonical(spec, where: str, allowed: tuple[str, ...] | None = None) -> str:
     return codec.spec
 
 
+def _is_int(value) -> bool:
+    """An integer, not a bool: YAML reads ``true`` as a bool, which Python counts as the int 1, so
+    ``qgz_stages: true`` would otherwise pass as one stage."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _family(spec: str) -> str:
     return spec.split(":")[0]
 
@@ -115,6 +121,9 @@ def _family(spec: str) -> str:
 def resolve_policy(config: ZppConfig) -> Policy:
     """Preset/YAML, then aliases, then command-line overrides; every spec validated."""
     name, data = _load_yaml(config.policy)
+    if not isinstance(data.get("codecs") or {}, dict):
+        raise ValueError(f"policy {name!r}: codecs must be a mapping of dimension to codec spec (e.g. dp.grad: "
+                         f"int4:block=128), got {data['codecs']!r}; valid dimensions: {', '.join(DIMENSIONS)}")
     codecs_raw = dict(data.get("codecs") or {})
     unknown = sorted(set(codecs_raw) - set(DIMENSIONS))
     if unknown:
@@ -140,10 +149,10 @@ def resolve_policy(config: ZppConfig) -> Policy:
         hpz = config.hpz_size
     if hpz == "node":
         hpz = None
-    if hpz is not None and (not isinstance(hpz, int) or hpz < 1):
+    if hpz is not None and (not _is_int(hpz) or hpz < 1):
         raise ValueError(f"policy {name!r}: hpz_size={hpz!r} must be a positive integer or 'node'")
     stages = config.qgz_stages if config.qgz_stages is not None else data.get("qgz_stages", 1)
-    if not isinstance(stages, int) or stages < 1:
+    if not _is_int(stages) or stages < 1:
         raise ValueError(f"policy {name!r}: qgz_stages={stages!r} must be a positive integer")
     if intra is not None and intra != "none" and \
             (_family(intra) in BLOCKWISE_CODECS) != (_family(codecs["dp.grad"]) in BLOCKWISE_CODECS):
@@ -158,7 +167,7 @@ def resolve_policy(config: ZppConfig) -> Policy:
         raise ValueError(f"policy {name!r}: qgz_stages={stages} needs dp.grad codecs in "
                          f"{', '.join(BLOCKWISE_CODECS)}; dp.grad is {codecs['dp.grad']!r}, dp_grad_intra {intra!r}")
     until = config.dp_grad_until if config.dp_grad_until is not None else data.get("dp_grad_until", 1.0)
-    if not isinstance(until, (int, float)) or not 0 < until <= 1:
+    if isinstance(until, bool) or not isinstance(until, (int, float)) or not 0 < until <= 1:
         raise ValueError(f"policy {name!r}: dp_grad_until={until!r} must be in (0, 1]")
     route = config.dp_uncompressed if config.dp_uncompressed is not None else data.get("dp_uncompressed",
                                                                                           "megatron")

@@ -253,6 +253,23 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ValueError(f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) "
                          f"parallel size = {tp * pp}")
     args.data_parallel_size = world_size // (tp * pp)
+    rpn = getattr(args, "zpp_ranks_per_node", None)
+    if rpn is not None:
+        # Nodes are runs of rpn consecutive ranks: a value that does not divide the world leaves a partial last
+        # node (the topology fails later, at the first hooked collective, naming groups instead of the flag),
+        # and one larger than the world describes ranks that do not exist (every peer would count as on-node:
+        # qgZ would skip its inter-node hop and the byte accounting would call the network traffic intra-node).
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        if rpn < 1 or rpn > world_size or world_size % rpn:
+            why = ("is not a positive integer for" if rpn < 1 else "is larger than" if rpn > world_size
+                   else "does not divide")
+            raise ValueError(f"--zpp-ranks-per-node {rpn} {why} the world size {world_size}; valid: "
+                             f"{', '.join(map(str, divisors))} (ranks per node; the node count is world size / it)")
+        hpz = getattr(args, "zpp_hpz_size", None)
+        if hpz is not None and hpz >= 1 and rpn % hpz:
+            # hpZ's partition must divide the data-parallel members per node, which divide the ranks per node.
+            raise ValueError(f"--zpp-hpz-size {hpz} does not divide --zpp-ranks-per-node {rpn}; valid: "
+                             f"{', '.join(str(d) for d in range(1, rpn + 1) if rpn % d == 0)}")
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     per_step = args.micro_batch_size * args.data_parallel_size

@@ -159,6 +159,33 @@ def check_prefix(prefix: str) -> None:
                     "PREFIX_KEY_document)")
         raise FileNotFoundError(f"data prefix {prefix}: {' and '.join(missing)} not found{hint}; make a dataset with "
                                 "tools/preprocess_data.py")
+    check_index_covers_data(prefix)
+
+
+def check_index_covers_data(prefix: str) -> None:
+    """The ``.idx`` must parse and the ``.bin`` must hold every token it points to. A truncated ``.bin`` (a copy cut
+    short, a full disk) is otherwise found only when a sample past its end is read, mid-training and on one rank:
+    numpy's "offset must be non-negative and no greater than buffer length", while the other ranks wait in the
+    next collective. Reads the index's header and its last entry only (a memory map), so it is cheap at any size."""
+    import struct
+
+    from megatron.core.datasets.indexed_dataset import _IndexReader
+
+    idx, bin_path = prefix + ".idx", prefix + ".bin"
+    try:
+        index = _IndexReader(idx, multimodal=False)
+        count = len(index.sequence_lengths)
+        needed = 0 if count == 0 else int(index.sequence_pointers[-1]) + int(index.sequence_lengths[-1]) * \
+            index.dtype_size
+        if count != index.sequence_count:
+            raise ValueError(f"{index.sequence_count} sequences declared, {count} present")
+    except (AssertionError, ValueError, struct.error, KeyError) as e:  # what Megatron's reader raises on bad bytes
+        raise ValueError(f"data prefix {prefix}: {idx} is not a readable Megatron index ({type(e).__name__}: {e}); "
+                         "it is truncated or corrupt: remake the dataset with tools/preprocess_data.py") from None
+    size = Path(bin_path).stat().st_size
+    if size < needed:
+        raise ValueError(f"data prefix {prefix}: {bin_path} holds {size} bytes, but its index points to {needed} "
+                         f"({count} sequences); the .bin is truncated: remake or recopy the dataset")
 
 
 # ---------------------------------------------------------------------------------------------------
