@@ -179,3 +179,21 @@ def test_divergence_guard_falls_back_and_recovers_on_every_rank(tmp_path, fault,
             it = int(line.split("iteration")[1].split("/")[0])
             ratios[it] = float(line.split("dp.grad MB intra/inter:")[1].split("(x")[1].split(")")[0])
     assert [it for it, x in sorted(ratios.items()) if x == 1.0] == [9, 10, 11], ratios
+
+
+def _rank1_sleeps_outside_collectives():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(1000)  # no collective pending: gloo's timeout cannot see this hang
+    return dist.get_rank()
+
+
+def test_spawned_test_worlds_are_bounded_and_stopped():
+    from megatron_zpp.testing.spawn import run_distributed
+
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[(0, )?1\] still running after 5 s; stopped"):
+        run_distributed(_rank1_sleeps_outside_collectives, 2, wall_limit_s=5)
+    print(f"\nhung spawned world stopped after {time.monotonic() - t0:.1f} s (wall limit 5 s)")
+    assert time.monotonic() - t0 < 60

@@ -2,7 +2,8 @@
 
 Nodes are simulated: rank ``r`` is on node ``r // ranks_per_node`` (``LOCAL_WORLD_SIZE``
 is set accordingly, so ``Topology(group)`` picks it up). A failure in any rank raises in
-the caller with that rank's traceback; a hang fails after ``timeout_s`` (gloo's timeout).
+the caller with that rank's traceback; a hang in a collective fails after ``timeout_s`` (gloo's
+timeout), any other hang after ``wall_limit_s``, with every rank stopped.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pickle
 import signal
 import sys
 import tempfile
+import time
 from typing import Any, Callable
 
 import torch
@@ -43,21 +45,50 @@ def _entry(rank: int, fn: Callable, world_size: int, ranks_per_node: int, workdi
         dist.destroy_process_group()
 
 
+WALL_LIMIT_S = 900.0  # a whole run's bound: hangs outside collectives (gloo's timeout only covers those)
+
+
 def run_distributed(fn: Callable, world_size: int, *args, ranks_per_node: int | None = None,
-                    timeout_s: float = 120.0, node_env: bool = True, **kwargs) -> list[Any]:
+                    timeout_s: float = 120.0, node_env: bool = True, wall_limit_s: float = WALL_LIMIT_S,
+                    **kwargs) -> list[Any]:
     """Call ``fn(*args, **kwargs)`` on every rank of a fresh gloo world; return the results by rank.
 
     ``fn`` must be importable by name (a module-level function), as processes are spawned.
-    ``node_env=False`` leaves ``LOCAL_WORLD_SIZE`` / ``LOCAL_RANK`` unset.
+    ``node_env=False`` leaves ``LOCAL_WORLD_SIZE`` / ``LOCAL_RANK`` unset. ``timeout_s`` bounds each
+    collective (gloo's timeout); ``wall_limit_s`` bounds the whole run: past it every rank is stopped
+    (SIGTERM, then SIGKILL) and ``TimeoutError`` names the ranks still running.
     """
     ranks_per_node = ranks_per_node or world_size
     if world_size % ranks_per_node:
         raise ValueError(f"world_size={world_size} is not a multiple of ranks_per_node={ranks_per_node}")
     with tempfile.TemporaryDirectory(prefix="zpp-dist-") as workdir:
-        mp.spawn(_entry, args=(fn, world_size, ranks_per_node, workdir, timeout_s, node_env, args, kwargs),
-                 nprocs=world_size, join=True)
+        context = mp.start_processes(_entry, args=(fn, world_size, ranks_per_node, workdir, timeout_s, node_env, args,
+                                                   kwargs), nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + wall_limit_s
+        try:
+            # join() raises with the failing rank's traceback (and stops the others) when one fails.
+            while not context.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    running = [r for r, p in enumerate(context.processes) if p.is_alive()]
+                    raise TimeoutError(f"run_distributed({getattr(fn, '__name__', fn)}): ranks {running} still "
+                                       f"running after {wall_limit_s:g} s; stopped")
+        finally:
+            _stop(context.processes)
         results = []
         for r in range(world_size):
             with open(f"{workdir}/result{r}", "rb") as f:
                 results.append(pickle.load(f))
         return results
+
+
+def _stop(processes, grace_s: float = 10.0) -> None:
+    """SIGTERM what still runs (ranks exit through Python and stop their helper processes), then SIGKILL."""
+    alive = [p for p in processes if p.is_alive()]
+    for p in alive:
+        p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in alive:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
