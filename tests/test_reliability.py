@@ -197,3 +197,25 @@ def test_spawned_test_worlds_are_bounded_and_stopped():
         run_distributed(_rank1_sleeps_outside_collectives, 2, wall_limit_s=5)
     print(f"\nhung spawned world stopped after {time.monotonic() - t0:.1f} s (wall limit 5 s)")
     assert time.monotonic() - t0 < 60
+
+
+def test_divergence_guard_reloads_the_last_checkpoint_once(tmp_path):
+    summary_json = tmp_path / "summary.json"
+    ckpt = tmp_path / "ckpt"
+    ranks, codes = _train(tmp_path / "run", GUARD + ["--zpp-divergence-reload", "--save", str(ckpt), "--save-interval",
+                                                     "4", "--summary-json", str(summary_json)], fault="spike:6")
+    assert codes == [0] * WORLD, [ranks.text(r)[-2000:] for r in range(WORLD)]
+    for r in range(WORLD):
+        lines = [line for line in ranks.text(r).splitlines() if line.startswith("[divergence guard]")]
+        assert lines[0].startswith(f"[divergence guard] rank {r} iteration 6: loss spike"), lines
+        assert f"[divergence guard] rank {r}: reloaded {ckpt} at iteration 4" in lines, lines
+        assert any(line.startswith(f"[divergence guard] rank {r} iteration 5: reloaded the checkpoint of iteration 4")
+                   for line in lines), lines
+    summary = _summary(summary_json)
+    # Iterations 5-7 rerun uncompressed; the injected spike comes back at iteration 6 (the data's, then), which
+    # extends the fallback without a second reload of the same checkpoint.
+    uncompressed = summary["divergence_guard"]["uncompressed_iterations"]
+    assert uncompressed[:3] == [5, 6, 7], uncompressed
+    reloads = [e for e in summary["divergence_guard"]["events"] if e["reason"].startswith("reloaded")]
+    assert len(reloads) == 1, summary["divergence_guard"]["events"]
+    assert len(summary["losses"]) == 14 and summary["finite"]

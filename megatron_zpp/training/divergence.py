@@ -42,6 +42,9 @@ class DivergenceGuardConfig:
     """A loss or gradient norm above this multiple of the window's median is a spike."""
     fallback_iters: int = 50
     """Iterations run uncompressed after an event (a new event during them restarts the count)."""
+    reload: bool = False
+    """On an event, also reload the last complete checkpoint of --save (else --load) and rerun from it,
+    uncompressed for --zpp-divergence-fallback-iters iterations (the data rewinds with it)."""
 
 
 def add_divergence_args(parser) -> None:
@@ -86,6 +89,7 @@ class DivergenceGuard:
         self._losses: list[float] = []
         self._grad_norms: list[float] = []
         self._nonfinite_grads = False
+        self.reloaded: set[int] = set()  # checkpoint iterations reloaded (--zpp-divergence-reload), once each
 
     # ------------------------------------------------------------------ Megatron's found-inf check
     def install(self, optimizer) -> None:
@@ -157,6 +161,15 @@ class DivergenceGuard:
             return None
         self._trigger(iteration, reason)
         return reason
+
+    def rewound(self, iteration: int) -> None:
+        """The trainer reloaded the checkpoint of ``iteration``: run uncompressed from the next one on."""
+        self.suspended_until = iteration + 1 + self.config.fallback_iters
+        if self.hooks.lossy_dimensions:
+            self.hooks.suspend_lossy(True)
+        self._event(iteration + 1, f"reloaded the checkpoint of iteration {iteration}",
+                    f"rerunning from iteration {iteration + 1}, uncompressed through iteration "
+                    f"{self.suspended_until - 1}")
 
     def _spike(self, what: str, value: float, history: list[float]) -> str | None:
         if len(history) < self.config.min_history:

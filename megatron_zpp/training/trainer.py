@@ -232,9 +232,12 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         dp_size = parallel_state.get_data_parallel_world_size()
         # One iterator per model chunk: with virtual stages each chunk pulls its own micro-batches.
         # Resuming at iteration k continues from sample k x global batch (Megatron-LM's consumed samples).
-        iterators = [micro_batches(data.train, start_iteration * args.global_batch_size, args.micro_batch_size,
-                                   dp_rank, dp_size) for _ in models]
-        batches = iterators[0] if single else iterators
+        def train_batches(iteration: int):
+            iterators = [micro_batches(data.train, iteration * args.global_batch_size, args.micro_batch_size,
+                                       dp_rank, dp_size) for _ in models]
+            return iterators[0] if single else iterators
+
+        batches = train_batches(start_iteration)
         forward_backward = get_forward_backward_func()
         logger = IterationLogger(args, policy, log=log, device=device)
         logger.start(data.description, world)
@@ -258,7 +261,9 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         # open a window in which the tracker names a directory being replaced).
         same_dir = bool(args.load and args.save and Path(args.load).resolve() == Path(args.save).resolve())
         saved_iteration = start_iteration if same_dir else None
-        for iteration in range(start_iteration, args.train_iters):
+        iteration = start_iteration - 1
+        while iteration + 1 < args.train_iters:
+            iteration += 1
             args.curr_iteration = iteration
             _fault_state.update(iteration=iteration + 1, micro_batch=0)
             watchdog.progress(iteration + 1, 0)
@@ -281,9 +286,18 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
                 replica_check.end_iteration(iteration + 1)
             loss = _reduce_loss(reduced, parallel_state)
             losses.append(loss)
-            guard.end(iteration + 1, loss, grad_norm, update_ok)
+            diverged = guard.end(iteration + 1, loss, grad_norm, update_ok)
             logger.iteration(iteration + 1, loss, scheduler.get_lr(optimizer.param_groups[0]), grad_norm,
                              time.perf_counter() - t0, update_ok, hooks.hpz_bytes)
+            if diverged and guard.config.reload:
+                with watchdog.paused():
+                    back = _reload_after_divergence(args, models, optimizer, scheduler, hooks, guard, log)
+                if back is not None:  # rewind: the data, the losses and the guard's fallback restart from there
+                    guard.rewound(back)
+                    del losses[max(0, back - start_iteration):]
+                    batches = train_batches(back)
+                    iteration = back - 1
+                    continue
             if args.save and args.save_interval and (iteration + 1) % args.save_interval == 0:
                 with watchdog.paused():
                     _save(args, iteration + 1, models, optimizer, scheduler, hooks)
@@ -372,6 +386,35 @@ def _evaluate_during_training(args, models, batches, forward_backward, device, p
     finally:
         for m in hooked:
             m.enable_forward_pre_hook()
+
+
+def _reload_after_divergence(args, models, optimizer, scheduler, hooks, guard, log) -> int | None:
+    """``--zpp-divergence-reload``: load the last complete checkpoint of ``--save`` (else ``--load``); its
+    iteration, or None when there is none or it was reloaded once already (a spike that comes back after a
+    reload is the data's, not the codec's: the fallback alone handles it, instead of a loop of reloads)."""
+    import copy
+
+    from megatron_zpp.training.checkpoint import TRACKER, load_checkpoint, read_tracker
+
+    folder = next((d for d in (args.save, args.load) if d and (Path(d) / TRACKER).exists()), None)
+    latest = read_tracker(folder) if folder is not None else None
+    # Rank 0's view for everyone: a shared file system may show a tracker to some ranks first.
+    decision = [folder, latest]
+    dist.broadcast_object_list(decision, src=0)
+    folder, latest = decision
+    if folder is None or latest in guard.reloaded:
+        if dist.get_rank() == 0:
+            why = ("--save/--load hold none yet" if folder is None else
+                   f"iteration {latest} was reloaded once already")
+            log(f"[divergence guard] no checkpoint reload ({why}); the fallback goes on")
+        return None
+    guard.reloaded.add(latest)
+    reload_args = copy.copy(args)
+    reload_args.load = folder
+    iteration = load_checkpoint(reload_args, models, optimizer, scheduler, hooks, log=log)
+    hooks.invalidate_secondary()
+    log(f"[divergence guard] rank {dist.get_rank()}: reloaded {folder} at iteration {iteration}")
+    return iteration
 
 
 def _save(args, iteration, models, optimizer, scheduler, hooks) -> None:
