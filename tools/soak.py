@@ -95,6 +95,7 @@ class RunResult:
     rss_mb_warmup_end: float | None = None
     rss_mb_end: float | None = None
     rss_slope_mb_per_100: float | None = None
+    rss_slope_last_half_mb_per_100: float | None = None  # a settling allocator slows down, a leak does not
     scratch_bytes_warmup_end: int = 0
     scratch_bytes_max_after: int = 0
     scratch_allocated_growth: int = 0
@@ -189,6 +190,7 @@ def analyse(result: RunResult, summary: dict, args) -> None:
     result.rss_mb_warmup_end = value_at(its, memory["rss_mb"], args.warmup)
     result.rss_mb_end = memory["rss_mb"][-1] if memory["rss_mb"] else None
     result.rss_slope_mb_per_100 = rss_slope_mb_per_100(its, memory["rss_mb"], after=args.warmup)
+    result.rss_slope_last_half_mb_per_100 = rss_slope_mb_per_100(its, memory["rss_mb"], after=args.steps // 2)
     if result.rss_slope_mb_per_100 is None:
         result.flags.append("too few RSS samples after warm-up for a slope")
     elif result.rss_slope_mb_per_100 > args.rss_flag:
@@ -275,10 +277,11 @@ def write_results(results: list[RunResult], args) -> None:
          "runs": [asdict(r) for r in results]}, indent=1))
     with open(args.out / "results.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow([*COLUMNS, "scratch pools", "hpZ bytes", "bytes reason", "failures", "flags", "attempts"])
+        w.writerow([*COLUMNS, "RSS MB/100 last half", "scratch pools", "hpZ bytes", "bytes reason", "failures",
+                    "flags", "attempts"])
         for r in results:
-            w.writerow([*row(r), r.scratch_pools, r.hpz_bytes_max, r.bytes_reason, "; ".join(r.failures),
-                        "; ".join(r.flags), len(r.attempts)])
+            w.writerow([*row(r), r.rss_slope_last_half_mb_per_100, r.scratch_pools, r.hpz_bytes_max, r.bytes_reason,
+                        "; ".join(r.failures), "; ".join(r.flags), len(r.attempts)])
 
 
 def parse_args(argv=None):
@@ -338,7 +341,10 @@ def main(argv=None) -> int:
           + (f"; failed: {', '.join(r.name for r in failed)}" if failed else "")
           + (f"; flagged: {', '.join(f'{r.name} ({r.flags[0]})' for r in flagged)}" if flagged else ""))
     for r in results:
-        print(f"  {r.name}: byte counters {r.bytes_reason or '-'}; scratch pools {r.scratch_pools}, allocated "
+        last_half = r.rss_slope_last_half_mb_per_100
+        print(f"  {r.name}: RSS slope over the last half "
+              f"{'-' if last_half is None else format(last_half, '+.3f')} MB/100 steps; "
+              f"byte counters {r.bytes_reason or '-'}; scratch pools {r.scratch_pools}, allocated "
               f"after warm-up +{r.scratch_allocated_growth} B" + (f"; hpZ {r.hpz_bytes_max} B" if r.hpz_bytes_max else "")
               + ("; crashes: " + ", ".join(f"attempt {a['attempt']}: {a.get('rank_signals')} "
                                             f"{a.get('heap_corruption', '')}".strip()
