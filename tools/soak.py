@@ -118,6 +118,7 @@ def launch(spec: RunSpec, args, run_dir: Path, attempt: int) -> tuple[dict, Path
     or Ctrl-C. Returns what the launch did and the path of its summary JSON."""
     summary_path = run_dir / f"summary-{attempt}.json"
     log_path = run_dir / f"log-{attempt}.txt"
+    summary_path.unlink(missing_ok=True)  # an earlier soak's summary in the same --out must not pass for this one
     cmd = [args.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
            str(REPO / "pretrain_gpt.py"), "--zpp-policy", spec.preset, "--zpp-ranks-per-node",
            str(args.ranks_per_node), *(ZERO3 if spec.fsdp else ZERO1), *TINY_GPT, *args.extra,
