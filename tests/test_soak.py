@@ -113,6 +113,26 @@ def test_variable_size_tags_from_the_policy():
     assert variable_size_tags(scheduled, tags) == {"dp.grad"}
 
 
+def test_scratch_pool_counts_leased_and_cached_bytes():
+    import torch
+
+    from megatron_zpp.comm.topology import BufferPool
+
+    cpu = torch.device("cpu")
+    pool = BufferPool(max_cached_bytes=100)
+    lease = pool.lease(cpu)
+    lease.take(60), lease.take(30)
+    assert (pool.in_use_bytes, pool.cached_bytes, pool.allocated_bytes) == (90, 0, 90)
+    lease.release()
+    assert (pool.in_use_bytes, pool.cached_bytes) == (0, 90)
+    again = pool.lease(cpu)
+    again.take(60)  # reused: held bytes stay 90, nothing new allocated
+    assert (pool.in_use_bytes, pool.cached_bytes, pool.allocated_bytes) == (60, 30, 90)
+    again.release()
+    pool.lease(cpu).take(50)  # a new size: allocated, and 140 cached would pass the cap when given back
+    assert pool.allocated_bytes == 140
+
+
 # ----------------------------------------------------------------------------- a short soak, end to end
 
 def test_short_soak_records_flat_pools_and_consistent_counters(tmp_path):
