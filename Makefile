@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train test bench bench-codecs bench-collectives bench-training sweep cuda-build clean
+.PHONY: train test soak bench bench-codecs bench-collectives bench-training sweep cuda-build clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/include/zpp/*.h csrc/include/zpp/*.cuh)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -62,6 +62,13 @@ bench-training: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
+
+# Soak (tools/soak.py): 1000 steps of every policy preset, and zeropp on Megatron-FSDP, on a tiny GPT with 4 CPU
+# ranks (2 simulated nodes x 2); fails on a NaN, a failed run, scratch pools growing after warm-up or byte
+# counters that drift; prints the resident-memory slope. About 15-20 minutes on 2 cores; results in $(SOAK_OUT).
+SOAK_OUT ?= out/soak
+soak: $(STAMP)
+	$(PY) tools/soak.py --out $(SOAK_OUT) $(ARGS)
 
 cuda-build: $(STAMP)
 	$(PY) tools/cuda_build.py

@@ -19,7 +19,7 @@ from megatron_zpp.comm.all_reduce import compressed_all_reduce
 from megatron_zpp.comm.passthrough import record_torch_collective, torch_reduce_scatter
 from megatron_zpp.comm.reduce_scatter import qgz_reduce_scatter, ring_reduce_scatter
 from megatron_zpp.comm.stats import CommStats, CommTimers, TagStats, comm_stats, comm_timers
-from megatron_zpp.comm.topology import Topology, release_buffers
+from megatron_zpp.comm.topology import Topology, release_buffers, scratch_pool_usage
 
 __all__ = [
     "CommHandle",
@@ -36,6 +36,7 @@ __all__ = [
     "quantized_all_gather",
     "record_torch_collective",
     "release_buffers",
+    "scratch_pool_usage",
     "set_rounding_epoch",
     "ring_reduce_scatter",
     "torch_reduce_scatter",

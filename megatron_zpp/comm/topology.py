@@ -275,6 +275,7 @@ class BufferPool:
         self._order: deque[tuple[tuple, torch.Tensor]] = deque()  # least recently returned first
         self.max_cached_bytes = max_cached_bytes
         self.cached_bytes = 0  # free buffers held now
+        self.in_use_bytes = 0  # taken by calls not yet waited on
         self.allocated_bytes = 0  # ever allocated; flat in steady state
 
     def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -284,12 +285,15 @@ class BufferPool:
             buf = free.pop()
             self._forget(buf)
             self.cached_bytes -= nbytes
+            self.in_use_bytes += nbytes
             return buf
         self.allocated_bytes += nbytes
+        self.in_use_bytes += nbytes
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def give(self, buffer: torch.Tensor) -> None:
         key = (buffer.numel(), buffer.device)
+        self.in_use_bytes -= buffer.numel()
         self._free.setdefault(key, []).append(buffer)
         self._order.append((key, buffer))
         self.cached_bytes += buffer.numel()
@@ -344,3 +348,19 @@ def release_buffers() -> None:
     """Free the cached scratch buffers of every topology."""
     for groups in _GROUP_CACHE.values():
         groups.buffers.release()
+
+
+def scratch_pool_usage() -> dict[str, int]:
+    """What the CPU scratch pools of every topology of this process hold now (no communication).
+
+    ``held_bytes``: free cached buffers plus buffers leased to calls not yet waited on, i.e. the
+    pools' share of resident memory; ``allocated_bytes``: bytes ever allocated by the pools, which
+    stays flat once every bucket size has been seen (growth means the pools stopped reusing);
+    ``cached_buffers``: free buffers kept; ``pools``: how many topologies own a pool.
+    """
+    pools = [groups.buffers for groups in _GROUP_CACHE.values()]
+    cached = sum(p.cached_bytes for p in pools)
+    in_use = sum(p.in_use_bytes for p in pools)
+    return {"pools": len(pools), "held_bytes": cached + in_use, "cached_bytes": cached, "in_use_bytes": in_use,
+            "allocated_bytes": sum(p.allocated_bytes for p in pools),
+            "cached_buffers": sum(len(free) for p in pools for free in p._free.values())}

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megatron_zpp.comm import TagStats, comm_stats, comm_timers
 from megatron_zpp.training.nic import NicWindow
+from megatron_zpp.training.soak_stats import ResourceSampler, interval_record
 
 MB = 1e6
 
@@ -76,6 +77,11 @@ class IterationLogger:
         self._last_timers = (0.0, 0.0)
         self.nic = NicWindow()
         self._window: tuple | None = None  # (NIC bytes, comm_stats) over the training loop
+        # Long-run health (soak): resident memory and scratch pools per log interval, and each
+        # interval's byte counters, so a run can show both flat and adding up to its totals.
+        self.resources = ResourceSampler()
+        self.traffic_intervals: list[dict] = []
+        self._last_iteration = 0
 
     def log(self, text: str) -> None:
         if self.rank == 0:
@@ -110,11 +116,14 @@ class IterationLogger:
 
     def iteration(self, iteration: int, loss: float, lr: float, grad_norm, seconds: float, update_ok: bool,
                   hpz_bytes: int = 0) -> None:
+        if not self.times:  # the first iteration of this run (a resumed run starts past 1)
+            self._last_logged = iteration - 1
         self.times.append(seconds)
         self.grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
         timers = comm_timers().snapshot()
         self.comm_seconds.append((timers[0] - self._last_timers[0], timers[1] - self._last_timers[1]))
         self._last_timers = timers
+        self._last_iteration = iteration
         a = self.args
         if iteration % a.log_interval and iteration != a.train_iters:
             return
@@ -122,6 +131,8 @@ class IterationLogger:
         interval = _delta(stats, self._last_stats)
         n = iteration - self._last_logged
         self._last_stats, self._last_logged = stats, iteration
+        self.traffic_intervals.append(interval_record(iteration, n, interval))
+        self.resources.sample(iteration, hpz_bytes)
         recent = self.times[-n:]
         mean_s = sum(recent) / len(recent)
         tokens_per_s = a.global_batch_size * a.seq_length / mean_s
@@ -147,6 +158,12 @@ class IterationLogger:
         and NIC counters reported per iteration then exclude the final parameter sync and the
         evaluation that run before :meth:`finish`."""
         self._window = (self.nic.stop(), comm_stats().summed_over_ranks())
+        if self._last_iteration > self._last_logged:  # stopped between log intervals (--exit-interval)
+            stats = self._window[1]
+            self.traffic_intervals.append(interval_record(self._last_iteration,
+                                                          self._last_iteration - self._last_logged,
+                                                          _delta(stats, self._last_stats)))
+            self._last_stats, self._last_logged = stats, self._last_iteration
 
     def _breakdown(self) -> dict:
         """Mean seconds per iteration after the first, averaged over ranks: codec, exposed
@@ -187,6 +204,7 @@ class IterationLogger:
             "dp_replicas_identical": None if sharded else dp_replicas_identical(models),
             "finite": finite, "breakdown": breakdown, "nic": nic,
             "hpz_bytes_per_rank": hooks.hpz_bytes if hooks is not None else 0,
+            "memory": self.resources.gathered(), "traffic_intervals": self.traffic_intervals,
             "replica_check": None if replica_check is None else {
                 "uses_compared": replica_check.result.uses_compared, "mismatches": replica_check.result.mismatch_count,
                 "first_mismatches": replica_check.result.mismatches},
@@ -222,7 +240,8 @@ class IterationLogger:
             self.log(f"> summary: all tags: cross-node {inter / MB:.2f} MB sent vs {inter_base / MB:.2f} MB the "
                      f"uncompressed collectives would have sent (x{inter / inter_base:.4f})")
         if self.wandb is not None:
-            self.wandb.summary.update({k: v for k, v in summary.items() if k not in ("losses", "grad_norms")})
+            self.wandb.summary.update({k: v for k, v in summary.items()
+                                       if k not in ("losses", "grad_norms", "memory", "traffic_intervals")})
             # Flat per-iteration figures, so a sweep's table and metric read them without unnesting.
             n = max(len(losses), 1)
             self.wandb.summary.update({"inter_bytes_per_iteration": inter / n,

@@ -1,0 +1,182 @@
+"""Soak (issue [9] item 5): the instrumentation in the run summary, the soak's checks, and the soak itself.
+
+The default run trains one preset for a few dozen steps through ``tools/soak.py`` (about 30 s on 2 cores)
+and checks the checks on synthetic series; the full soak (1000 steps of every preset) is ``slow``.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_zpp.training.soak_stats import (rss_slope_mb_per_100, scratch_growth, traffic_consistency,
+                                              variable_size_tags)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _soak_module():
+    spec = importlib.util.spec_from_file_location("soak_tool", REPO / "tools" / "soak.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+# ----------------------------------------------------------------------------- the checks, on synthetic data
+
+def test_rss_slope_fits_a_line_and_ignores_warmup():
+    its = list(range(50, 1001, 50))
+    # Steep warm-up (to 200), then exactly 0.5 MB per 100 steps: the fit must see only the latter.
+    rss = [100.0 + (x if x <= 200 else 200 + 0.005 * (x - 200)) for x in its]
+    assert rss_slope_mb_per_100(its, rss, after=200) == pytest.approx(0.5)
+    assert rss_slope_mb_per_100(its, [300.0] * len(its), after=200) == pytest.approx(0.0)
+    assert rss_slope_mb_per_100(its, rss, after=0) > 5  # the warm-up included: a leak-sized slope
+    assert rss_slope_mb_per_100([100, 200], [1.0, 2.0], after=0) is None  # two points: no fit
+
+
+def test_scratch_growth_detects_a_pool_that_grows_after_warmup():
+    its = [50, 100, 150, 200, 250, 300]
+    assert scratch_growth(its, [0, 900, 1000, 1000, 1000, 1000], warmup_end=150) == (1000, 1000, 0)
+    assert scratch_growth(its, [0, 900, 1000, 1000, 1100, 1000], warmup_end=150) == (1000, 1100, 100)
+
+
+def _interval(iteration, n, grad_bytes, param_bytes, calls=4):
+    """One interval's counters; the uncompressed bytes follow the length only, as shapes do."""
+    def tag(b):
+        return {"intra_bytes": b, "inter_bytes": b // 2, "calls": calls * n, "uncompressed_intra_bytes": 400 * n,
+                "uncompressed_inter_bytes": 200 * n}
+
+    return {"iteration": iteration, "iterations": n, "traffic": {"dp.grad": tag(grad_bytes), "dp.param": tag(param_bytes)}}
+
+
+def _totals(intervals):
+    out = {}
+    for rec in intervals:
+        for t, s in rec["traffic"].items():
+            for k, v in s.items():
+                out.setdefault(t, {}).setdefault(k, 0)
+                out[t][k] += v
+    return out
+
+
+def test_traffic_consistency_passes_equal_intervals_and_catches_drift():
+    # The first interval differs (warm-up), the last is shorter: both are allowed.
+    intervals = [_interval(10, 10, 90, 50)] + [_interval(10 * i, 10, 100, 60) for i in range(2, 6)] \
+        + [_interval(53, 3, 30, 18)]
+    ok, why = traffic_consistency(intervals, _totals(intervals))
+    assert ok, why
+
+    drift = copy.deepcopy(intervals)
+    drift[3]["traffic"]["dp.grad"]["inter_bytes"] += 8
+    ok, why = traffic_consistency(drift, _totals(drift))
+    assert not ok and "dp.grad.inter_bytes" in why and "iteration 40" in why
+
+    totals = _totals(intervals)
+    totals["dp.param"]["calls"] += 1  # something counted outside every interval
+    ok, why = traffic_consistency(intervals, totals)
+    assert not ok and "add up" in why
+
+    missing_tag = copy.deepcopy(intervals)
+    del missing_tag[4]["traffic"]["dp.param"]
+    ok, _ = traffic_consistency(missing_tag, _totals(missing_tag))
+    assert not ok
+
+    assert not traffic_consistency([], {})[0]
+
+
+def test_variable_size_tags_compare_calls_and_uncompressed_bytes_only():
+    intervals = [_interval(10 * i, 10, 100, 60 + i) for i in range(1, 6)]  # dp.param sizes follow the data
+    assert not traffic_consistency(intervals, _totals(intervals))[0]
+    ok, why = traffic_consistency(intervals, _totals(intervals), variable_tags={"dp.param"})
+    assert ok and "sizes follow the data" in why
+    intervals[3]["traffic"]["dp.param"]["calls"] += 1  # a call more is not a size that follows the data
+    assert not traffic_consistency(intervals, _totals(intervals), variable_tags={"dp.param"})[0]
+
+
+def test_variable_size_tags_from_the_policy():
+    from megatron_zpp.policy import ZppConfig, resolve_policy
+
+    def preset(name):
+        return resolve_policy(ZppConfig(policy=name)).to_dict()
+
+    tags = ["dp.grad", "dp.param", "dp.param.bwd", "tp", "pp"]
+    assert variable_size_tags(preset("zeropp"), tags) == set()
+    # MZHybrid's lossless MPC on weights and activations: sizes follow the data.
+    assert variable_size_tags(preset("mzhybrid"), tags) == {"dp.param", "dp.param.bwd", "tp", "pp"}
+    scheduled = preset("zeropp") | {"dp_grad_until": 0.5}
+    assert variable_size_tags(scheduled, tags) == {"dp.grad"}
+
+
+def test_scratch_pool_counts_leased_and_cached_bytes():
+    import torch
+
+    from megatron_zpp.comm.topology import BufferPool
+
+    cpu = torch.device("cpu")
+    pool = BufferPool(max_cached_bytes=100)
+    lease = pool.lease(cpu)
+    lease.take(60), lease.take(30)
+    assert (pool.in_use_bytes, pool.cached_bytes, pool.allocated_bytes) == (90, 0, 90)
+    lease.release()
+    assert (pool.in_use_bytes, pool.cached_bytes) == (0, 90)
+    again = pool.lease(cpu)
+    again.take(60)  # reused: held bytes stay 90, nothing new allocated
+    assert (pool.in_use_bytes, pool.cached_bytes, pool.allocated_bytes) == (60, 30, 90)
+    again.release()
+    pool.lease(cpu).take(50)  # a new size: allocated, and 140 cached would pass the cap when given back
+    assert pool.allocated_bytes == 140
+
+
+# ----------------------------------------------------------------------------- a short soak, end to end
+
+def test_short_soak_records_flat_pools_and_consistent_counters(tmp_path):
+    soak = _soak_module()
+    out = tmp_path / "soak"
+    steps, interval, warmup = 40, 5, 10
+    rc = soak.main(["--steps", str(steps), "--presets", "zeropp", "--fsdp-presets", "--log-interval", str(interval),
+                    "--warmup", str(warmup), "--timeout", "300", "--python", sys.executable, "--out", str(out)])
+    results = json.loads((out / "results.json").read_text())
+    run = results["runs"][0]
+    assert rc == 0, run["failures"]
+    assert run["name"] == "zeropp" and run["steps"] == steps and run["finite"]
+    assert run["bytes_consistent"], run["bytes_reason"]
+    assert (out / "results.csv").read_text().startswith("run,steps,")
+
+    summary = json.loads(Path(run["attempts"][-1]["log"]).with_name("summary-1.json").read_text())
+    memory = summary["memory"]
+    assert memory["iterations"] == list(range(interval, steps + 1, interval))
+    for key in ("rss_mb", "scratch_bytes", "scratch_allocated_bytes", "scratch_pools", "hpz_bytes"):
+        assert len(memory[key]) == len(memory["iterations"]), key
+    assert len(memory["per_rank"]["rss_mb"]) == 4 and all(v > 0 for v in memory["rss_mb"])
+    # zeropp's fused INT8/INT4 collectives take their scratch from the pool: in use, and flat after the
+    # first intervals (every bucket size seen in the first iteration).
+    assert memory["scratch_bytes"][0] > 0
+    assert set(memory["scratch_bytes"][1:]) == {memory["scratch_bytes"][1]}
+    assert set(memory["scratch_allocated_bytes"][1:]) == {memory["scratch_allocated_bytes"][1]}
+    assert [rec["iteration"] for rec in summary["traffic_intervals"]] == memory["iterations"]
+    assert {"dp.grad", "dp.param"} <= set(summary["traffic_intervals"][-1]["traffic"])
+
+
+def test_soak_rejects_unknown_presets_and_too_short_runs():
+    soak = _soak_module()
+    with pytest.raises(SystemExit):
+        soak.parse_args(["--presets", "nonesuch"])
+    with pytest.raises(SystemExit):
+        soak.parse_args(["--steps", "100", "--log-interval", "50"])  # no 3 samples after warm-up
+
+
+@pytest.mark.slow
+def test_full_soak_every_preset(tmp_path):
+    """1000 steps of every preset and of zeropp on Megatron-FSDP (~15-25 min on 2 cores); each launch is
+    bounded by tools/soak.py's timeout (180 s + 1 s per step), killed with its ranks when it runs over."""
+    soak = _soak_module()
+    rc = soak.main(["--python", sys.executable, "--out", str(tmp_path / "soak")])
+    results = json.loads((tmp_path / "soak" / "results.json").read_text())
+    assert rc == 0, {r["name"]: r["failures"] for r in results["runs"] if r["failures"]}
+    assert {r["preset"] for r in results["runs"]} >= {"none", "fair", "zeropp", "hybrid", "mzhybrid", "zhybrid"}
