@@ -89,6 +89,10 @@ class MegatronHooks:
         """The dp.grad codec of the current reduction: the schedule's, or none while lossy ones are suspended."""
         return self._unless_suspended(self._scheduled_grad_codec)
 
+    def _intra_codec(self) -> str | None:
+        """qgZ's intra-node hop codec; none with the reduction itself uncompressed (schedule or guard)."""
+        return None if self.grad_codec == "none" else self.policy.dp_grad_intra
+
     def codec(self, dimension: str) -> str:
         """The codec ``dimension`` runs now (``dp.grad`` follows the schedule too)."""
         if dimension == "dp.grad":
@@ -411,7 +415,7 @@ class MegatronHooks:
                                output.device)
             return original(output, input, op=op, group=group, async_op=async_op), None
         return None, qgz_reduce_scatter(output, input, self.topology(group), codec=self.grad_codec, op=_op_name(op),
-                                        async_op=async_op, tag=GRAD_TAG, intra_codec=self.policy.dp_grad_intra,
+                                        async_op=async_op, tag=GRAD_TAG, intra_codec=self._intra_codec(),
                                         stages=self.policy.qgz_stages, residual=self._residual(input, bucket))
 
     def _all_reduce_grads(self, original, tensor, op, group, async_op, bucket: str | None = None):
@@ -423,7 +427,7 @@ class MegatronHooks:
                                tensor.device)
             return original(tensor, op=op, group=group, async_op=async_op), None
         return None, compressed_all_reduce(tensor, self.topology(group), codec=self.grad_codec, op=_op_name(op), async_op=async_op,
-                                           tag=GRAD_TAG, intra_codec=self.policy.dp_grad_intra,
+                                           tag=GRAD_TAG, intra_codec=self._intra_codec(),
                                            stages=self.policy.qgz_stages, residual=self._residual(tensor, bucket))
 
     # ------------------------------------------------------------------ error feedback

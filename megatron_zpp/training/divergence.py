@@ -99,18 +99,18 @@ class DivergenceGuard:
         must not leave NaN in a residual), also without the guard."""
         if not (self.config.guard or self.hooks.policy.error_feedback):
             return
-        from megatron_zpp.training.checkpoint import main_params
-
         original = optimizer.prepare_grads
 
         def prepare_grads() -> bool:
             found = bool(original())
-            local = found or any(p.grad is not None and not bool(torch.isfinite(p.grad).all())
-                                 for p in main_params(optimizer))
-            # One scalar over the whole world (a host sync, as Megatron's own fp16 check has).
-            flag = torch.tensor([1.0 if local else 0.0], device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            self._nonfinite_grads = bool(flag.item() > 0)
+            grads = main_grads(optimizer)
+            local = torch.tensor(found, device=self.device)
+            if grads and not found:
+                # One reduction over all gradients, read once below: no host sync per parameter.
+                local = torch.stack([torch.isfinite(g).all() for g in grads]).all().logical_not()
+            flag = local.to(device=self.device, dtype=torch.float32).reshape(1)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank skips together
+            self._nonfinite_grads = bool(flag.item() > 0)  # one host sync, as Megatron's own fp16 check has
             if self._nonfinite_grads:
                 self.hooks.reset_error_feedback()
             return self._nonfinite_grads
@@ -204,3 +204,19 @@ class DivergenceGuard:
 
     def summary(self) -> dict:
         return {"events": self.events, "uncompressed_iterations": self.uncompressed_iterations}
+
+
+def main_grads(optimizer) -> list[torch.Tensor]:
+    """The gradients the optimizer is about to apply, local shards (after ``prepare_grads``). Megatron-FSDP puts
+    them on the DTensor main parameters (``.grad``, or ``decoupled_grad`` with TE's FusedAdam), not on their
+    local views."""
+    from megatron_zpp.training.checkpoint import _inner_optimizers
+
+    out = []
+    for opt in _inner_optimizers(optimizer):
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                g = p.grad if p.grad is not None else getattr(p, "decoupled_grad", None)
+                if g is not None:
+                    out.append(g.to_local() if hasattr(g, "to_local") else g)
+    return out

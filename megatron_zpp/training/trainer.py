@@ -74,15 +74,30 @@ def _forward_step(device, on_micro_batch, data_iterator, model):
 #   hang:RANK:ITER   rank RANK blocks forever there (a rank stuck before its next collective)
 #   spike:ITER       every rank's loss (and so its gradients) x 100 at iteration ITER
 #   nan:RANK:ITER    rank RANK's loss (and so, through the gradient reduction, everyone's gradients) NaN
-_fault_state = {"iteration": 0, "micro_batch": 0}
+_fault_state = {"iteration": 0, "micro_batch": 0, "spec": None}
+_FAULT_KINDS = ("kill", "hang", "spike", "nan")
 
 
-def _fault(kinds: tuple[str, ...]) -> tuple[str, int | None] | None:
-    spec = os.environ.get("ZPP_TEST_FAULT")
+def _parse_fault(spec: str | None) -> tuple[str, int | None, int] | None:
+    """``ZPP_TEST_FAULT`` -> (kind, rank or None, iteration); read once per run, errors name the value."""
     if not spec:
         return None
     kind, *numbers = spec.split(":")
-    rank, iteration = (None, int(numbers[0])) if len(numbers) == 1 else (int(numbers[0]), int(numbers[1]))
+    try:
+        rank, iteration = (None, int(numbers[0])) if len(numbers) == 1 else (int(numbers[0]), int(numbers[1]))
+    except (ValueError, IndexError):
+        rank = iteration = None
+    if kind not in _FAULT_KINDS or iteration is None or len(numbers) > 2:
+        raise ValueError(f"ZPP_TEST_FAULT={spec!r}: expected KIND:ITER or KIND:RANK:ITER, KIND one of "
+                         f"{', '.join(_FAULT_KINDS)}")
+    return kind, rank, iteration
+
+
+def _fault(kinds: tuple[str, ...]) -> tuple[str, int | None] | None:
+    spec = _fault_state["spec"]
+    if spec is None:
+        return None
+    kind, rank, iteration = spec
     if kind not in kinds or iteration != _fault_state["iteration"] or rank not in (None, dist.get_rank()):
         return None
     return kind, rank
@@ -153,7 +168,10 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             log("> fusions off: " + ", ".join(f"{k} ({v})" for k, v in fusions_off.items()))
     if plugin:
         hooks.install()
-    watchdog = RankWatchdog(rank_failure_config_from_args(args)).start()
+    watchdog = RankWatchdog(rank_failure_config_from_args(args))
+    watchdog.coarse = args.pipeline_model_parallel_size > 1
+    watchdog.start()
+    _fault_state["spec"] = _parse_fault(os.environ.get("ZPP_TEST_FAULT"))
 
     try:
         parallel_state.initialize_model_parallel(
@@ -341,11 +359,13 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             Path(args.summary_json).write_text(json.dumps(summary, indent=1, default=str))
         return summary
     except Exception as e:
-        # A collective that failed because a peer died names no rank; the heartbeats do.
-        detail = watchdog.explain() if watchdog.enabled and not isinstance(e, (ValueError, ImportError)) else None
+        # A collective that failed because a peer died names no rank; the heartbeats do. Only communication
+        # errors are looked at, and a finding that names this very rank (its own error put it behind) is not one.
+        found = watchdog.find_failed() if watchdog.enabled and _communication_error(e) else None
+        detail = found[1] if found and rank not in found[0] else None
         if detail:
             log(f"[rank watchdog] rank {rank}: {detail}")
-            watchdog.publish(detail)
+            watchdog.publish(detail, found[0])
             watchdog.mark_exiting()
             watchdog.linger_if_store_host()
             raise RankFailureError(f"rank {rank}: {type(e).__name__} in a collective because {detail}") from e
@@ -355,6 +375,17 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         if hooks.installed:
             hooks.uninstall()
         parallel_state.destroy_model_parallel()
+
+
+def _communication_error(e: BaseException) -> bool:
+    """Whether ``e`` came from torch.distributed (NCCL/gloo backend, store, network), by type or, for gloo's
+    plain RuntimeErrors, by its message."""
+    if isinstance(e, (dist.DistBackendError, dist.DistStoreError, dist.DistNetworkError)):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(
+        marker in text for marker in ("gloo", "Connection reset", "Connection closed", "Connection refused",
+                                      "Timed out", "timed out", "NCCL", "Broken pipe"))
 
 
 def _unwrap(module):

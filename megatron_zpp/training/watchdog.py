@@ -48,7 +48,7 @@ class RankFailureConfig:
     rank_timeout: float | None = None
     """Seconds without progress (a micro-batch or an iteration finished) after which every rank exits
     naming the ranks whose heartbeat stopped or that are behind; default --distributed-timeout-minutes
-    x 60. 0 turns the watchdog off."""
+    x 60 less 6 heartbeat intervals (it must act before the process-group timeout). 0 turns the watchdog off."""
     heartbeat_interval: float = 5.0
     """Seconds between heartbeats in the rendezvous store; a rank whose heartbeat has not changed for 4
     intervals counts as gone."""
@@ -64,8 +64,18 @@ def rank_failure_config_from_args(args) -> RankFailureConfig:
     from megatron_zpp.policy import dataclass_from_args
 
     config = dataclass_from_args(RankFailureConfig, args, "zpp")
+    group_timeout = 60.0 * args.distributed_timeout_minutes
+    # The watchdog must name the failure before the process-group timeout fires (NCCL's own watchdog then
+    # tears the process down with a message that names no rank): its stall timeout plus the look at the
+    # heartbeats (LOOK_INTERVALS) and a margin stay under it.
+    margin = (LOOK_INTERVALS + 2) * config.heartbeat_interval
     if config.rank_timeout is None:
-        config.rank_timeout = 60.0 * args.distributed_timeout_minutes
+        config.rank_timeout = max(group_timeout - margin, 0.5 * group_timeout)
+    if config.rank_timeout and config.rank_timeout + margin > group_timeout:
+        raise ValueError(f"--zpp-rank-timeout {config.rank_timeout:g} s plus {margin:g} s to look at the heartbeats "
+                         f"exceeds --distributed-timeout-minutes {args.distributed_timeout_minutes} "
+                         f"({group_timeout:g} s): the process-group timeout would fire first; lower the one or "
+                         "raise the other")
     if config.rank_timeout < 0:
         raise ValueError(f"--zpp-rank-timeout {config.rank_timeout} must be >= 0 (0: no watchdog)")
     if not config.heartbeat_interval > 0:
@@ -76,18 +86,46 @@ def rank_failure_config_from_args(args) -> RankFailureConfig:
     return config
 
 
-def _default_store():
-    """The store ``init_process_group`` rendezvoused through (torchrun's agent store, a TCPStore, a FileStore)."""
+def _watchdog_store(timeout_s: float):
+    """A store of the watchdog's own, under a prefix unique to this run.
+
+    Its own client connection where the rendezvous is a TCP store (MASTER_ADDR/MASTER_PORT: torchrun's agent
+    store, or rank 0's): a TCPStore client serves one request at a time, and the main thread blocks in the
+    shared one while communicators are created lazily, which would freeze the heartbeats. A file store
+    (spawned test worlds) is shared. The prefix is a nonce from rank 0 (one collective, at start): torchrun's
+    agent keeps its store across restarts, and a verdict left by the failed attempt must not end the next.
+    """
+    import datetime
+    import uuid
+
     from torch.distributed import distributed_c10d
 
-    return dist.PrefixStore("zpp_watchdog/", distributed_c10d._get_default_store())
+    nonce = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(nonce, src=0)
+    base = distributed_c10d._get_default_store()
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if host and port and isinstance(_innermost(base), dist.TCPStore):
+        base = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
+    return dist.PrefixStore(f"zpp_watchdog/{nonce[0]}/", base)
+
+
+def _innermost(store):
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
 
 
 class RankWatchdog:
     def __init__(self, config: RankFailureConfig, store=None, log=None) -> None:
         self.config = config
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.store = store if store is not None else _default_store()
+        if store is None and self.config.rank_timeout:
+            store = _watchdog_store(max(60.0, config.rank_timeout))
+        self.store = store
+        # Compare only iterations, not micro-batches or collectives: with pipeline parallelism healthy stages
+        # differ in both (1F1B warm-up, first/last-stage collectives). Set by the trainer.
+        self.coarse = False
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self._progress = (0, 0)
         # None until the training loop marks its first iteration, and while paused (a checkpoint save or an
@@ -180,17 +218,19 @@ class RankWatchdog:
                 self._abort(f"the rendezvous store is unreachable ({type(e).__name__}: {e}); it is hosted by rank 0 "
                             "or the launcher's agent, which has most likely died")
             if verdict is not None and not self._explaining:
+                self.mark_exiting()
+                self.linger_if_store_host()  # rank 0 too may learn of the failure from the verdict
                 self._abort(verdict)
             last = self._last_progress
             stalled = 0.0 if last is None else time.monotonic() - last
             if stalled > self.config.rank_timeout:
-                found = self.explain()
-                detail = found or (
+                found = self.find_failed()
+                detail = found[1] if found else (
                     f"every rank is at {_where(self._point())} and none progressed: a collective that never "
                     "completes (a hang inside the communication library or the network)")
                 message = f"no progress for {stalled:.1f} s (--zpp-rank-timeout {self.config.rank_timeout:g}): {detail}"
-                if found:
-                    self.publish(message)
+                if found and "(found by rank" not in detail:
+                    self.publish(message, found[0])
                 self.mark_exiting()
                 self.linger_if_store_host()
                 self._abort(message)
@@ -198,15 +238,19 @@ class RankWatchdog:
     def _verdict(self) -> str | None:
         """What another rank found (``publish``), so a rank blocked in a collective that did not fail exits
         at its next heartbeat instead of at its stall timeout."""
+        found = self._published()
+        return None if found is None else found[1]
+
+    def _published(self) -> tuple[list[int], str] | None:
         if not self.store.check(["verdict"]):
             return None
-        finder, _, detail = self.store.get("verdict").decode().partition("|")
-        return f"{detail} (found by rank {finder})"
+        finder, ranks, detail = self.store.get("verdict").decode().split("|", 2)
+        return [int(r) for r in ranks.split(",") if r], f"{detail} (found by rank {finder})"
 
-    def publish(self, detail: str) -> None:
+    def publish(self, detail: str, ranks: list[int] = ()) -> None:
         """Tell every rank's watchdog what failed (best effort: the store may be going down)."""
         try:
-            self.store.set("verdict", f"{self.rank}|{detail}")
+            self.store.set("verdict", f"{self.rank}|{','.join(map(str, ranks))}|{detail}")
         except Exception:  # noqa: BLE001
             pass
 
@@ -217,10 +261,18 @@ class RankWatchdog:
             pass
 
     def explain(self) -> str | None:
-        """Which ranks failed: those whose heartbeat stopped (watched over LOOK_INTERVALS heartbeats), else those behind
-        the most advanced rank. None when every rank is alive and at the same point."""
+        """Which ranks failed: those whose heartbeat stopped (watched over LOOK_INTERVALS heartbeats), else those
+        behind the most advanced rank. None when every rank is alive and at the same point."""
+        found = self.find_failed()
+        return None if found is None else found[1]
+
+    def find_failed(self) -> tuple[list[int], str] | None:
+        """:meth:`explain` with the ranks it names (empty when the store itself is gone)."""
         self._explaining = True
         try:
+            published = self._published()
+            if published is not None:  # another rank has looked already: one story for everyone
+                return published
             before = self._read()
             on_watchdog_thread = threading.current_thread() is self._thread
             for _ in range(LOOK_INTERVALS):
@@ -228,24 +280,33 @@ class RankWatchdog:
                 if on_watchdog_thread:  # its heartbeats must go on while it looks at everyone else's
                     self._beat()
             after = self._read()
+            published = self._published()  # found meanwhile by another rank
+            if published is not None:
+                return published
+            # A rank that exits after a verdict also stops its heartbeat: it is not the one that failed.
+            exiting = {r for r in range(self.world) if self.store.check([f"exiting{r}"])}
         except Exception as e:  # noqa: BLE001
-            return (f"the rendezvous store is unreachable ({type(e).__name__}: {e}); rank 0 or the launcher's "
-                    "agent that hosts it has most likely died")
-        gone = [r for r in range(self.world) if after[r] is None or before[r] == after[r] and r != self.rank]
+            return [], (f"the rendezvous store is unreachable ({type(e).__name__}: {e}); rank 0 or the launcher's "
+                        "agent that hosts it has most likely died")
+        finally:
+            self._explaining = False
+        gone = [r for r in range(self.world)
+                if r != self.rank and r not in exiting and (after[r] is None or before[r] == after[r])]
         self._gone = set(gone)
         if gone:
             where = "; ".join(f"rank {r}: " + ("never sent a heartbeat" if after[r] is None else
                                                f"last seen at {_where(after[r][1])}") for r in gone)
-            return (f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} stopped responding "
-                    f"(no heartbeat for {LOOK_INTERVALS * self.config.heartbeat_interval:.1f} s; {where})")
+            return gone, (f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} stopped responding "
+                          f"(no heartbeat for {LOOK_INTERVALS * self.config.heartbeat_interval:.1f} s; {where})")
         points = {r: v[1] for r, v in after.items()}
         points[self.rank] = self._point()
-        ahead = max(points.values())
-        behind = sorted(r for r, p in points.items() if p < ahead)
+        key = (lambda p: p[0]) if self.coarse else (lambda p: p)
+        ahead = max(points.values(), key=key)
+        behind = sorted(r for r, p in points.items() if key(p) < key(ahead))
         if behind:
             where = ", ".join(f"rank {r} at {_where(points[r])}" for r in behind)
-            return (f"rank{'s' if len(behind) > 1 else ''} {', '.join(map(str, behind))} hung: {where}, while the "
-                    f"others reached {_where(ahead)}")
+            return behind, (f"rank{'s' if len(behind) > 1 else ''} {', '.join(map(str, behind))} hung: {where}, "
+                            f"while the others reached {_where(ahead)}")
         return None
 
     def linger_if_store_host(self) -> None:
