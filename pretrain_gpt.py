@@ -13,7 +13,7 @@ import sys
 import traceback
 
 from megatron_zpp.training.trainer import pretrain
-from megatron_zpp.training.watchdog import EXIT_CODE, RankFailureError
+from megatron_zpp.training.watchdog import EXIT_CODE, RankFailureError, stop_child_processes
 
 if __name__ == "__main__":
     try:
@@ -24,4 +24,5 @@ if __name__ == "__main__":
         traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
+        stop_child_processes()
         os._exit(EXIT_CODE)

@@ -78,10 +78,27 @@ class Ranks:
         assert not missing, f"ranks {missing} still running after {limit_s} s"
         return done
 
+    def session_processes(self, r: int) -> list[str]:
+        import psutil
+
+        out = []
+        for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+            try:
+                # Zombies hold nothing; in a container whose init does not reap them they stay listed.
+                if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getsid(proc.info["pid"]) == self.procs[r].pid:
+                    out.append(" ".join(proc.info["cmdline"] or [])[:120])
+            except (ProcessLookupError, PermissionError):
+                pass
+        return out
+
     def close(self) -> None:
         for p in self.procs:
-            if p.poll() is None:
+            # The whole session: a rank killed by SIGKILL leaves its helper processes (Megatron's
+            # checkpoint-writer Manager, multiprocessing's resource tracker) in it.
+            try:
                 os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             p.wait(timeout=30)
         for log in self.logs:
             log.close()
@@ -113,6 +130,9 @@ def test_killed_rank_names_it_and_the_restart_resumes(tmp_path):
     try:
         killed_at = ranks.wait_for_line(2, "[fault injection] rank 2: kill at iteration 6", RUN_LIMIT_S)
         exits = ranks.exit_times(RANK_TIMEOUT_S + 60)
+        # The ranks that gave up stopped their helper processes too (rank 2's die with the test's cleanup).
+        left = {r: ranks.session_processes(r) for r in (0, 1, 3)}
+        assert not any(left.values()), left
     finally:
         ranks.close()
     seconds = {r: round(t - killed_at, 2) for r, t in exits.items() if r != 2}

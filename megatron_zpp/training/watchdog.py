@@ -326,6 +326,7 @@ class RankWatchdog:
 
     def _abort(self, message: str) -> None:
         self.mark_exiting()
+        stop_child_processes()
         self.log(f"[rank watchdog] rank {self.rank}: {message}; exiting (code {EXIT_CODE})")
         os._exit(EXIT_CODE)
 
@@ -333,3 +334,20 @@ class RankWatchdog:
 def _where(point: tuple[int, int, int]) -> str:
     iteration, micro, launched = point
     return f"iteration {iteration}, micro-batch {micro} done, {launched} collectives launched"
+
+
+def stop_child_processes() -> None:
+    """Kill this process's children (Megatron's checkpoint-writer Manager, multiprocessing's resource
+    tracker) before an ``os._exit``, which skips the exit handlers that would stop them: a rank that gives up
+    leaves nothing behind holding its files and pipes."""
+    import psutil
+
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    for child in children:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
