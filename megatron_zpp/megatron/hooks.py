@@ -63,6 +63,9 @@ class MegatronHooks:
         # Divergence guard (megatron_zpp/training/divergence.py): while set, every lossy dimension runs
         # uncompressed; flipped only between iterations, at the same point on every rank.
         self.lossy_suspended = False
+        # Decided once: the codec lookups on the comm path only test membership.
+        self._lossy_specs = frozenset(spec for spec in policy.codecs.values()
+                                      if spec != "none" and not get_codec(spec).lossless)
         self._topologies: dict[tuple, Topology] = {}
         self._hpz_shards: dict[tuple[int, int], HpzShard] = {}
         self._pending_gathers: dict[tuple, object] = {}  # (pipeline, bucket key) -> our gather handle
@@ -102,7 +105,7 @@ class MegatronHooks:
     @property
     def lossy_dimensions(self) -> list[str]:
         """The dimensions whose codec loses information (what the divergence guard switches off)."""
-        return [d for d, spec in self.policy.codecs.items() if spec != "none" and not get_codec(spec).lossless]
+        return [d for d, spec in self.policy.codecs.items() if spec in self._lossy_specs]
 
     def suspend_lossy(self, suspended: bool) -> None:
         """Run every lossy dimension uncompressed (``True``) or with its codec again. Call between
@@ -114,7 +117,7 @@ class MegatronHooks:
             self.reset_error_feedback()
 
     def _unless_suspended(self, spec: str) -> str:
-        if self.lossy_suspended and spec != "none" and not get_codec(spec).lossless:
+        if self.lossy_suspended and spec in self._lossy_specs:
             return "none"
         return spec
 
