@@ -172,8 +172,10 @@ def test_hung_rank_is_named_by_every_rank_within_the_timeout(tmp_path):
         assert seconds[r] < RANK_TIMEOUT_S + 4 * HEARTBEAT_S + 5, seconds
 
 
+# --check-replica-weights: every module's weights at each forward and backward use are compared across the
+# data-parallel replicas every iteration, through the codec switches.
 GUARD = TINY + ["--train-iters", "14", "--zpp-divergence-guard", "--zpp-divergence-fallback-iters", "3",
-                "--zpp-divergence-min-history", "3"]
+                "--zpp-divergence-min-history", "3", "--check-replica-weights"]
 
 
 @pytest.mark.parametrize("fault,reason", [("spike:8", "loss spike"), ("nan:1:8", "non-finite gradients")])
@@ -189,6 +191,8 @@ def test_divergence_guard_falls_back_and_recovers_on_every_rank(tmp_path, fault,
         assert lines[1] == f"[divergence guard] rank {r} iteration 12: fallback over; compressing again"
     summary = _summary(summary_json)
     assert summary["divergence_guard"]["uncompressed_iterations"] == [9, 10, 11]
+    checked = summary["replica_check"]
+    assert checked["uses_compared"] > 0 and checked["mismatches"] == 0, checked
     losses = summary["losses"]
     assert all(v == v and v < 10 for v in losses[8:]), losses  # finite and back near the pre-event loss
     assert summary["finite"]  # the NaN step was skipped: no weight became NaN
