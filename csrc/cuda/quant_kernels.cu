@@ -1,172 +1,245 @@
 // CUDA kernels of the blocked INT8/INT4 ops. Same contract and the same bits
 // as the CPU kernels: every rounding, index and packing decision comes from
-// zpp/quant_math.h, and device float math uses its _rn helpers (no FMA).
+// zpp/quant_math.h, and the work decomposition (chunks of 8 elements, lanes of
+// a group, whole-word packing) from zpp/quant_chunks.h, which the CPU build also
+// runs (torch.ops.megatron_zpp._cuda_schedule_*, tests/test_kernels.py). Device
+// float math uses the _rn helpers (no FMA; the build also passes --fmad=false).
 //
-// Mapping: one thread block per quantization block; each thread owns element
-// *pairs* (2p, 2p+1) so an INT4 byte is written by exactly one thread. absmax
-// is reduced on |x| bit patterns (as on CPU: bits >= 0x7f800000 means NaN/Inf).
-// The fused dequant+reduce+quant recomputes the fp32 sum in its second pass
-// instead of staging it in shared memory: blocks may be up to 64K elements, and
-// the re-read of the chunk inputs is served from L2.
+// Mapping, all kernels 256-thread CTAs with grid-stride loops over 64-bit indices:
+// - quantize (plain and qgZ-reordered) and the fused dequant+reduce+quantize:
+//   a group of `lanes` threads per quantization block (quant_chunks.h
+//   group_shape: block 128 -> 16 lanes, 16 blocks per CTA; 256 -> a warp; up to
+//   2048 a warp, up to 16384 the CTA). Each lane stages its chunks' fp32 values
+//   in registers, the group max-reduces |x| bit patterns (warp shuffles, plus
+//   shared memory for a CTA group), then quantizes the staged values: inputs are
+//   read once and the fused kernel sums over the input chunks once per element.
+//   Blocks > 16384 elements stream: their second pass re-reads (re-sums).
+// - dequantize and dequant+reduce (mean): elementwise, one thread per chunk.
+// Float inputs and outputs move in 16-byte vectors where the chunk is full and
+// aligned (fp32: two, bf16/fp16: one), packed data in 4-byte words.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <string.h>
+
+#include <type_traits>
+
 #include "zpp/cuda_float_io.cuh"
 #include "zpp/cuda_launchers.h"
+#include "zpp/quant_chunks.h"
 #include "zpp/quant_math.h"
 
 namespace zpp {
 namespace cuda {
 namespace {
 
-constexpr int kThreads = 256;
+using chunks::kChunk;
+using chunks::kCtaThreads;
+using chunks::kWarp;
 
-__device__ __forceinline__ uint32_t abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int64_t kMaxGrid = int64_t(1) << 20;  // grid-stride loops cover the rest
 
-// Max over the thread block; every thread gets the result.
-__device__ uint32_t block_max_u32(uint32_t v) {
-  __shared__ uint32_t warp_max[kThreads / 32];
-  for (int off = 16; off > 0; off >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, off));
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) warp_max[warp] = v;
-  __syncthreads();
-  v = lane < kThreads / 32 ? warp_max[lane] : 0u;
-  for (int off = 16; off > 0; off >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, off));
-  __syncthreads();  // warp_max is reused by the next call
+__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// The chunk at p (cnt valid values) as fp32.
+__device__ __forceinline__ void load_chunk(const float* __restrict__ p, int cnt, float (&v)[kChunk]) {
+  if (cnt == kChunk && aligned16(p)) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  } else {
+#pragma unroll  // constant trip count: v stays in registers (a cnt-bounded loop puts it on the stack)
+    for (int i = 0; i < kChunk; ++i)
+      if (i < cnt) v[i] = p[i];
+  }
+}
+
+template <typename T16>  // __nv_bfloat16 or __half: 8 values are one 16-byte vector
+__device__ __forceinline__ void load_chunk(const T16* __restrict__ p, int cnt, float (&v)[kChunk]) {
+  if (cnt == kChunk && aligned16(p)) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    T16 h[kChunk];
+    memcpy(h, &u, sizeof(u));
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) v[i] = load_f32(h, i);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i)
+      if (i < cnt) v[i] = load_f32(p, i);
+  }
+}
+
+// Stores the chunk's first cnt values, narrowed round-to-nearest-even.
+__device__ __forceinline__ void store_chunk(float* __restrict__ p, int cnt, const float (&v)[kChunk]) {
+  if (cnt == kChunk && aligned16(p)) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i)
+      if (i < cnt) p[i] = v[i];
+  }
+}
+
+template <typename T16>
+__device__ __forceinline__ void store_chunk(T16* __restrict__ p, int cnt, const float (&v)[kChunk]) {
+  if (cnt == kChunk && aligned16(p)) {
+    T16 h[kChunk];
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) store_f32(h, i, v[i]);
+    uint4 u;
+    memcpy(&u, h, sizeof(u));
+    *reinterpret_cast<uint4*>(p) = u;
+  } else {
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i)
+      if (i < cnt) store_f32(p, i, v[i]);
+  }
+}
+
+// Max over the group of `lanes` threads containing this one; every thread of the
+// warp (CTA when lanes > 32) must call it, idle groups with 0. Max is
+// order-independent, so this equals the CPU's sequential max.
+__device__ __forceinline__ uint32_t group_max(uint32_t v, int lanes, uint32_t* warp_max) {
+  const int width = lanes < kWarp ? lanes : kWarp;  // groups are aligned slices: xor stays inside
+  for (int off = width / 2; off > 0; off >>= 1) v = max(v, __shfl_xor_sync(kFull, v, off));
+  if (lanes > kWarp) {  // the whole CTA (a CTA-uniform branch)
+    if ((threadIdx.x & (kWarp - 1)) == 0) warp_max[threadIdx.x / kWarp] = v;
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kCtaThreads / kWarp; ++i) v = max(v, warp_max[i]);
+    __syncthreads();  // warp_max is reused by the next block
+  }
   return v;
 }
 
-__device__ __forceinline__ float scale_from_max_bits(uint32_t m, int qmax) {
-  return block_scale(__uint_as_float(m), m >= 0x7f800000u, qmax);
-}
+template <typename T>
+struct InputSource {  // the block's values straight from x
+  const T* xb;
+  __device__ __forceinline__ void load(int64_t c, int cnt, float (&v)[kChunk]) const {
+    load_chunk(xb + c * kChunk, cnt, v);
+  }
+};
 
-__device__ __forceinline__ int quantize_one(float x, float scale, float fq, bool stochastic, uint64_t seed,
-                                            uint64_t index) {
-  return stochastic ? quantize_stochastic_unchecked(x, scale, fq, stochastic_uniform(seed, index))
-                    : quantize_nearest_unchecked(x, scale, fq);
-}
-
-__device__ __forceinline__ int load_q(const uint8_t* data, int64_t e, int bits) {
-  if (bits == 8) return static_cast<int8_t>(data[e]);
-  const uint8_t b = data[e >> 1];
-  return (e & 1) ? unpack_int4_hi(b) : unpack_int4_lo(b);
-}
-
-// Writes elements (2p, 2p+1) of a block (the second only if has_hi).
-__device__ __forceinline__ void store_pair(uint8_t* data, int64_t e, int bits, int q0, int q1, bool has_hi) {
-  if (bits == 8) {
-    data[e] = static_cast<uint8_t>(static_cast<int8_t>(q0));
-    if (has_hi) data[e + 1] = static_cast<uint8_t>(static_cast<int8_t>(q1));
+// Quantizes one block of n values into a packed row (scale k, data from element e0) with this
+// thread's group. n == 0: the group is idle this round and only joins the max.
+// V: chunks per lane staged in registers, 0 = streamed (see quant_chunks.h).
+template <int V, typename Source>
+__device__ __forceinline__ void quantize_group(Source& src, int64_t n, int lanes, int bits, bool stochastic,
+                                               uint64_t seed, uint64_t index0, uint8_t* row, int64_t nb, int64_t k,
+                                               int64_t e0, uint32_t* warp_max) {
+  const int lane = static_cast<int>(threadIdx.x) % lanes;
+  chunks::RowSink sink{row + 4 * nb, e0, bits};
+  chunks::BlockQuant q;
+  if constexpr (V > 0) {
+    float v[V][kChunk];
+    const uint32_t m = group_max(chunks::lane_stage<V>(src, n, lane, lanes, v), lanes, warp_max);
+    if (n == 0) return;
+    q = chunks::block_quant(m, bits, stochastic, seed);
+    chunks::lane_quantize<V>(sink, v, n, lane, lanes, bits, q, index0);
   } else {
-    data[e >> 1] = pack_int4(q0, has_hi ? q1 : 0);
+    const uint32_t m = group_max(chunks::lane_absmax_streamed(src, n, lane, lanes), lanes, warp_max);
+    if (n == 0) return;
+    q = chunks::block_quant(m, bits, stochastic, seed);
+    chunks::lane_quantize_streamed(src, sink, n, lane, lanes, bits, q, index0);
   }
+  if (lane == 0) reinterpret_cast<float*>(row)[k] = q.scale;
 }
 
-// Zeroes a row's data padding; called by thread 0 of the row's last block.
-__device__ __forceinline__ void zero_row_padding(uint8_t* data, int64_t length, int bits) {
-  for (int64_t i = ceil_div(length * bits, 8); i < data_bytes(length, bits); ++i) data[i] = 0;
-}
-
-// Quantizes one block whose i-th value is value(i), for i < n: absmax reduce,
-// scale, packed pairs, then thread 0 stores the scale (and the row's padding
-// after its last block). Shared by the plain and the fused-reduce quantizers.
-template <typename Value>
-__device__ void quantize_block(Value value, int64_t n, int bits, bool stochastic, uint64_t seed, uint64_t index0,
-                               uint8_t* row, int64_t k, int64_t nb, int64_t length, int64_t block) {
-  uint32_t m = 0;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) m = max(m, abs_bits(value(i)));
-  m = block_max_u32(m);
-  const int qmax = qmax_for_bits(bits);
-  const float scale = scale_from_max_bits(m, qmax);
-  const bool usable = scale_is_usable(scale);
-  const float fq = static_cast<float>(qmax);
-  uint8_t* data = row + 4 * nb + k * block * bits / 8;
-  for (int64_t p = threadIdx.x; 2 * p < n; p += blockDim.x) {
-    const int64_t e = 2 * p;
-    const bool has_hi = e + 1 < n;
-    int q0 = 0, q1 = 0;
-    if (usable) {
-      q0 = quantize_one(value(e), scale, fq, stochastic, seed, index0 + e);
-      if (has_hi) q1 = quantize_one(value(e + 1), scale, fq, stochastic, seed, index0 + e + 1);
+// Row r of x (rows x length) -> packed row r, or reorder_slot_of_input_row(r) when reorder.
+template <int V, typename T>
+__global__ void __launch_bounds__(kCtaThreads)
+    quantize_rows_kernel(const T* __restrict__ x, uint8_t* __restrict__ packed, int64_t rows, int64_t length,
+                         int bits, int64_t block, int lanes, bool stochastic, uint64_t seed, bool reorder,
+                         int64_t nodes, int64_t node_size, int64_t stages) {
+  __shared__ uint32_t warp_max[kCtaThreads / kWarp];
+  const int64_t nb = num_blocks(length, block), total = rows * nb, rb = row_bytes(length, bits, block);
+  const int per_cta = kCtaThreads / lanes;
+  const int group = static_cast<int>(threadIdx.x) / lanes;
+  // The loop bound depends only on the CTA's base: every thread runs every round (shuffles, syncs).
+  for (int64_t base = int64_t(blockIdx.x) * per_cta; base < total; base += int64_t(gridDim.x) * per_cta) {
+    const int64_t b = base + group;
+    int64_t r = 0, k = 0, n = 0;
+    if (b < total) {
+      r = b / nb;
+      k = b - r * nb;
+      n = min(block, length - k * block);
     }
-    store_pair(data, e, bits, q0, q1, has_hi);
+    const int64_t e0 = k * block;
+    const int64_t out_row = reorder ? reorder_slot_of_input_row(r, stages, node_size, nodes) : r;
+    InputSource<T> src{x + r * length + e0};
+    quantize_group<V>(src, n, lanes, bits, stochastic, seed, static_cast<uint64_t>(r * length + e0),
+                      packed + out_row * rb, nb, k, e0, warp_max);
   }
-  if (threadIdx.x == 0) {
-    reinterpret_cast<float*>(row)[k] = scale;
-    if (k == nb - 1) zero_row_padding(row + 4 * nb, length, bits);
-  }
 }
 
-template <typename T>
-__global__ void quantize_rows_kernel(const T* __restrict__ x, uint8_t* __restrict__ packed, int64_t length, int bits,
-                                     int64_t block, bool stochastic, uint64_t seed, bool reorder, int64_t nodes,
-                                     int64_t node_size, int64_t stages) {
-  const int64_t nb = num_blocks(length, block);
-  const int64_t r = blockIdx.x / nb, k = blockIdx.x % nb;
-  const int64_t e0 = k * block;
-  const int64_t n = min(block, length - e0);
-  const T* xb = x + r * length + e0;
-  const int64_t out_row = reorder ? reorder_slot_of_input_row(r, stages, node_size, nodes) : r;
-  quantize_block([=](int64_t i) { return load_f32(xb, i); }, n, bits, stochastic, seed,
-                 static_cast<uint64_t>(r * length + e0), packed + out_row * row_bytes(length, bits, block), k, nb,
-                 length, block);
-}
-
-template <typename T>
-__global__ void dequantize_rows_kernel(const uint8_t* __restrict__ packed, T* __restrict__ out, int64_t length,
-                                       int bits, int64_t block) {
-  const int64_t nb = num_blocks(length, block);
-  const int64_t r = blockIdx.x / nb, k = blockIdx.x % nb;
-  const int64_t e0 = k * block;
-  const int64_t n = min(block, length - e0);
-  const uint8_t* row = packed + r * row_bytes(length, bits, block);
-  const float s = reinterpret_cast<const float*>(row)[k];
-  const uint8_t* data = row + 4 * nb;
-  T* y = out + r * length + e0;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
-    store_f32(y, i, f32_mul(static_cast<float>(load_q(data, e0 + i, bits)), s));
-}
-
-// fp32 sum over chunks of element e of row k (chunk order fixed, mul then add).
-__device__ __forceinline__ float reduce_element(const uint8_t* packed_in, int64_t chunks, int64_t rows, int64_t rb,
-                                                int64_t nb_in, int64_t k, int64_t e, int bits, int64_t block) {
-  float acc = 0.0f;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const uint8_t* row = packed_in + (c * rows + k) * rb;
-    const float s = reinterpret_cast<const float*>(row)[e / block];
-    acc = f32_add(acc, f32_mul(static_cast<float>(load_q(row + 4 * nb_in, e, bits)), s));
-  }
-  return acc;
-}
-
-__global__ void dequant_reduce_quantize_kernel(const uint8_t* __restrict__ packed_in, uint8_t* __restrict__ packed_out,
-                                               int64_t chunks, int64_t rows, int64_t length, int bits_in,
-                                               int64_t block_in, int bits_out, int64_t block_out, bool stochastic,
-                                               uint64_t seed) {
-  const int64_t nb_out = num_blocks(length, block_out);
-  const int64_t k = blockIdx.x / nb_out, j = blockIdx.x % nb_out;
-  const int64_t e0 = j * block_out;
-  const int64_t n = min(block_out, length - e0);
+// packed_in [chunks][rows][rb_in] -> packed_out [rows][rb_out]: block j of row k is the fp32 sum
+// over the chunks (in chunk order), requantized.
+template <int V>
+__global__ void __launch_bounds__(kCtaThreads)
+    dequant_reduce_quantize_kernel(const uint8_t* __restrict__ packed_in, uint8_t* __restrict__ packed_out,
+                                   int64_t chunks, int64_t rows, int64_t length, int bits_in, int64_t block_in,
+                                   int bits_out, int64_t block_out, int lanes, bool stochastic, uint64_t seed) {
+  __shared__ uint32_t warp_max[kCtaThreads / kWarp];
+  const int64_t nb_out = num_blocks(length, block_out), total = rows * nb_out;
   const int64_t rb_in = row_bytes(length, bits_in, block_in), nb_in = num_blocks(length, block_in);
-  // The sum is recomputed for the quantize pass rather than staged (see the file comment).
-  auto sum = [=](int64_t i) {
-    return reduce_element(packed_in, chunks, rows, rb_in, nb_in, k, e0 + i, bits_in, block_in);
-  };
-  quantize_block(sum, n, bits_out, stochastic, seed, static_cast<uint64_t>(k * length + e0),
-                 packed_out + k * row_bytes(length, bits_out, block_out), j, nb_out, length, block_out);
+  const int64_t rb_out = row_bytes(length, bits_out, block_out);
+  const int per_cta = kCtaThreads / lanes;
+  const int group = static_cast<int>(threadIdx.x) / lanes;
+  for (int64_t base = int64_t(blockIdx.x) * per_cta; base < total; base += int64_t(gridDim.x) * per_cta) {
+    const int64_t b = base + group;
+    int64_t k = 0, j = 0, n = 0;
+    if (b < total) {
+      k = b / nb_out;
+      j = b - k * nb_out;
+      n = min(block_out, length - j * block_out);
+    }
+    const int64_t e0 = j * block_out;
+    chunks::ReduceSource src{packed_in, chunks, rows, rb_in, nb_in, k, e0, bits_in, block_in};
+    quantize_group<V>(src, n, lanes, bits_out, stochastic, seed, static_cast<uint64_t>(k * length + e0),
+                      packed_out + k * rb_out, nb_out, j, e0, warp_max);
+  }
 }
 
 template <typename T>
-__global__ void dequant_reduce_kernel(const uint8_t* __restrict__ packed_in, T* __restrict__ out, int64_t chunks,
-                                      int64_t rows, int64_t length, int bits, int64_t block, float divisor) {
-  const int64_t nb = num_blocks(length, block);
-  const int64_t k = blockIdx.x / nb, j = blockIdx.x % nb;
-  const int64_t e0 = j * block;
-  const int64_t n = min(block, length - e0);
-  const int64_t rb = row_bytes(length, bits, block);
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
-    store_f32(out + k * length, e0 + i, f32_div(reduce_element(packed_in, chunks, rows, rb, nb, k, e0 + i, bits, block), divisor));
+__global__ void __launch_bounds__(kCtaThreads)
+    dequantize_rows_kernel(const uint8_t* __restrict__ packed, T* __restrict__ out, int64_t rows, int64_t length,
+                           int bits, int64_t block) {
+  const int64_t per_row = ceil_div(length, kChunk), total = rows * per_row;
+  const int64_t nb = num_blocks(length, block), rb = row_bytes(length, bits, block);
+  for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < total; t += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = t / per_row, e = (t - r * per_row) * kChunk;
+    const int cnt = chunks::chunk_count(length - e, 0);
+    const uint8_t* row = packed + r * rb;
+    uint32_t w[2];
+    chunks::load_chunk_words(row + 4 * nb, e, cnt, bits, w);
+    float v[kChunk];
+    chunks::dequantize_chunk(w, bits, chunks::load_f32_scale(row, e / block), v);
+    store_chunk(out + r * length + e, cnt, v);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kCtaThreads)
+    dequant_reduce_kernel(const uint8_t* __restrict__ packed_in, T* __restrict__ out, int64_t chunks, int64_t rows,
+                          int64_t length, int bits, int64_t block, float divisor) {
+  const int64_t per_row = ceil_div(length, kChunk), total = rows * per_row;
+  const int64_t nb = num_blocks(length, block), rb = row_bytes(length, bits, block);
+  for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < total; t += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t k = t / per_row, e = (t - k * per_row) * kChunk;
+    const int cnt = chunks::chunk_count(length - e, 0);
+    float acc[kChunk];
+    chunks::reduce_chunk(packed_in, chunks, rows, rb, nb, k, e, cnt, bits, block, acc);
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) acc[i] = f32_div(acc[i], divisor);
+    store_chunk(out + k * length + e, cnt, acc);
+  }
+}
+
+unsigned grid_for(int64_t items, int64_t per_cta) {
+  const int64_t g = ceil_div(items, per_cta);
+  return static_cast<unsigned>(g < kMaxGrid ? g : kMaxGrid);
 }
 
 template <typename Launch>
@@ -178,47 +251,69 @@ void dispatch_type(FloatType type, Launch launch) {
   }
 }
 
+template <typename Launch>
+void dispatch_chunks_per_lane(int v, Launch launch) {
+  switch (v) {
+    case 1: launch(std::integral_constant<int, 1>{}); break;
+    case 2: launch(std::integral_constant<int, 2>{}); break;
+    case 4: launch(std::integral_constant<int, 4>{}); break;
+    case 8: launch(std::integral_constant<int, 8>{}); break;
+    default: launch(std::integral_constant<int, 0>{}); break;
+  }
+}
+
 }  // namespace
 
 void launch_quantize_rows(const void* x, FloatType type, uint8_t* packed, int64_t rows, int64_t length, int bits,
                           int64_t block, bool stochastic, uint64_t seed, bool reorder, int64_t nodes,
                           int64_t node_size, int64_t stages, cudaStream_t stream) {
-  const int64_t grid = rows * num_blocks(length, block);
-  if (grid == 0) return;
+  const int64_t blocks = rows * num_blocks(length, block);
+  if (blocks == 0) return;
+  const chunks::GroupShape shape = chunks::group_shape(block);
+  const unsigned grid = grid_for(blocks, kCtaThreads / shape.lanes);
   dispatch_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    quantize_rows_kernel<T><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(x), packed, length, bits, block,
-                                                           stochastic, seed, reorder, nodes, node_size, stages);
+    dispatch_chunks_per_lane(shape.chunks_per_lane, [&](auto v) {
+      quantize_rows_kernel<decltype(v)::value, T><<<grid, kCtaThreads, 0, stream>>>(
+          static_cast<const T*>(x), packed, rows, length, bits, block, shape.lanes, stochastic, seed, reorder, nodes,
+          node_size, stages);
+    });
   });
 }
 
 void launch_dequantize_rows(const uint8_t* packed, void* out, FloatType type, int64_t rows, int64_t length, int bits,
                             int64_t block, cudaStream_t stream) {
-  const int64_t grid = rows * num_blocks(length, block);
-  if (grid == 0) return;
+  const int64_t items = rows * ceil_div(length, kChunk);
+  if (items == 0) return;
   dispatch_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    dequantize_rows_kernel<T><<<grid, kThreads, 0, stream>>>(packed, static_cast<T*>(out), length, bits, block);
+    dequantize_rows_kernel<T><<<grid_for(items, kCtaThreads), kCtaThreads, 0, stream>>>(
+        packed, static_cast<T*>(out), rows, length, bits, block);
   });
 }
 
 void launch_dequant_reduce_quantize(const uint8_t* packed_in, uint8_t* packed_out, int64_t chunks, int64_t rows,
                                     int64_t length, int bits_in, int64_t block_in, int bits_out, int64_t block_out,
                                     bool stochastic, uint64_t seed, cudaStream_t stream) {
-  const int64_t grid = rows * num_blocks(length, block_out);
-  if (grid == 0) return;
-  dequant_reduce_quantize_kernel<<<grid, kThreads, 0, stream>>>(packed_in, packed_out, chunks, rows, length, bits_in,
-                                                                block_in, bits_out, block_out, stochastic, seed);
+  const int64_t blocks = rows * num_blocks(length, block_out);
+  if (blocks == 0) return;
+  const chunks::GroupShape shape = chunks::group_shape(block_out);
+  const unsigned grid = grid_for(blocks, kCtaThreads / shape.lanes);
+  dispatch_chunks_per_lane(shape.chunks_per_lane, [&](auto v) {
+    dequant_reduce_quantize_kernel<decltype(v)::value><<<grid, kCtaThreads, 0, stream>>>(
+        packed_in, packed_out, chunks, rows, length, bits_in, block_in, bits_out, block_out, shape.lanes, stochastic,
+        seed);
+  });
 }
 
 void launch_dequant_reduce(const uint8_t* packed_in, void* out, FloatType type, int64_t chunks, int64_t rows,
                            int64_t length, int bits, int64_t block, float divisor, cudaStream_t stream) {
-  const int64_t grid = rows * num_blocks(length, block);
-  if (grid == 0) return;
+  const int64_t items = rows * ceil_div(length, kChunk);
+  if (items == 0) return;
   dispatch_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    dequant_reduce_kernel<T><<<grid, kThreads, 0, stream>>>(packed_in, static_cast<T*>(out), chunks, rows, length,
-                                                            bits, block, divisor);
+    dequant_reduce_kernel<T><<<grid_for(items, kCtaThreads), kCtaThreads, 0, stream>>>(
+        packed_in, static_cast<T*>(out), chunks, rows, length, bits, block, divisor);
   });
 }
 
