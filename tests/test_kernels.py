@@ -599,3 +599,98 @@ def test_extension_is_portable_and_never_contracts_to_fma():
                      and any(i.startswith("v") and "mm" in i for i in insns))
         assert not vex, f"AVX instructions outside the per-level loops in {path}: {vex[:5]}"
         assert any("isa_x86_64_v4" in f for f in functions), "the AVX-512 loops are missing"
+
+
+# ------------------------------- the CUDA kernels' schedule, run on CPU ------
+# csrc/include/zpp/quant_chunks.h holds the CUDA kernels' work decomposition (8-element chunks,
+# lanes per quantization block, register staging, whole-word packing); the CPU build runs it
+# through test-only ops. These tests pin it against the CPU kernels without a GPU. Not covered
+# here (no GPU): the shuffles, the 16-byte vector loads and the launch itself.
+needs_cpu_kernels = pytest.mark.skipif(not ops.kernels_available("cpu") or not hasattr(
+    torch.ops.megatron_zpp, "_cuda_group_shape"), reason="the CPU extension is not built")
+
+# One block size per group shape: warp slices of 1, 2, 4, 8, 16 lanes; a warp staging 1, 2, 4, 8
+# chunks per lane; the CTA staging 2, 4, 8; the streamed CTA (> 16384 elements).
+SCHEDULE_BLOCKS = {8: [1, 1], 16: [2, 1], 24: [4, 1], 40: [8, 1], 128: [16, 1], 256: [32, 1], 264: [32, 2],
+                   1024: [32, 4], 2048: [32, 8], 2056: [256, 2], 8192: [256, 4], 16384: [256, 8],
+                   16392: [256, 0]}
+
+
+@needs_cpu_kernels
+def test_cuda_group_shape_stages_every_block_with_the_fewest_lanes():
+    for block, shape in SCHEDULE_BLOCKS.items():
+        assert list(torch.ops.megatron_zpp._cuda_group_shape(block)) == shape, block
+    for block in range(8, 40_000, 8):
+        lanes, per_lane = torch.ops.megatron_zpp._cuda_group_shape(block)
+        chunks = block // 8
+        assert lanes in (1, 2, 4, 8, 16, 32, 256), block
+        assert 256 % lanes == 0  # whole groups per 256-thread CTA
+        if per_lane == 0:
+            assert chunks > 256 * 8, block
+            continue
+        assert per_lane in (1, 2, 4, 8) and lanes * per_lane >= chunks, block  # staged whole
+        if lanes < 32:
+            assert lanes // 2 < chunks, block  # no smaller slice would do: at most half the lanes idle
+        else:
+            assert lanes * per_lane // 2 < chunks, block  # no fewer chunks per lane would do
+    with pytest.raises(RuntimeError, match="block=12"):
+        torch.ops.megatron_zpp._cuda_group_shape(12)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("block", list(SCHEDULE_BLOCKS))
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_cuda_schedule_gives_the_cpu_kernels_bytes(block, bits, stochastic):
+    """The CUDA schedule of all four kernels, run on the host with the shared header, writes the CPU
+    kernels' bytes: partial last blocks with a partial chunk (length = 2 * block + 13), the row
+    padding written as part of the last chunk's word (the buffers start as 0xAB), NaN/Inf blocks,
+    fp32/bf16/fp16 in and out."""
+    rows, length, chunks = 2, 2 * block + 13, 3
+    rb = layout.row_bytes(length, bits, block)
+    for dtype in FLOAT_DTYPES:
+        x = sample(rows * length, dtype, "cpu", nonfinite=True)
+        got = torch.full((rows, rb), 0xAB, dtype=torch.uint8)
+        want = torch.empty_like(got)
+        torch.ops.megatron_zpp._cuda_schedule_quantize_rows_(x, got, bits, block, stochastic, SEED)
+        ops.quantize_rows_(x, want, bits, block, stochastic, SEED, backend="kernel")
+        assert torch.equal(got, want), ("quantize", dtype)
+        y_got, y_want = torch.empty(rows * length, dtype=dtype), torch.empty(rows * length, dtype=dtype)
+        torch.ops.megatron_zpp._cuda_schedule_dequantize_rows_(want, y_got, bits, block)
+        ops.dequantize_rows_(want, y_want, bits, block, backend="kernel")
+        assert float_diff(y_got, y_want) == 0, ("dequantize", dtype)
+    # fused: input blocks of another size and width than the output's
+    bits_in, block_in = 12 - bits, 40
+    x = sample(chunks * rows * length, torch.float32, "cpu", nonfinite=True)
+    packed_in = ops.quantize(x, bits_in, block_in, rows=chunks * rows).view(chunks, rows, -1)
+    got = torch.full((rows, rb), 0xCD, dtype=torch.uint8)
+    want = torch.empty_like(got)
+    args = (length, bits_in, block_in, bits, block, stochastic, SEED)
+    torch.ops.megatron_zpp._cuda_schedule_dequant_reduce_quantize_(packed_in, got, *args)
+    ops.dequant_reduce_quantize_(packed_in, want, *args, backend="kernel")
+    assert torch.equal(got, want), "dequant_reduce_quantize"
+    packed_in = ops.quantize(x, bits, block, rows=chunks * rows).view(chunks, rows, -1)
+    for dtype in FLOAT_DTYPES:
+        m_got, m_want = torch.empty(rows * length, dtype=dtype), torch.empty(rows * length, dtype=dtype)
+        torch.ops.megatron_zpp._cuda_schedule_dequant_reduce_(packed_in, m_got, bits, block, 3.0)
+        ops.dequant_reduce_(packed_in, m_want, bits, block, 3.0, backend="kernel")
+        assert float_diff(m_got, m_want) == 0, ("dequant_reduce", dtype)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("length", [1, 5, 7, 8, 9, 31])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_cuda_schedule_short_rows(length, bits):
+    """Rows shorter than a chunk or a block: the only chunk is partial; INT8 writes one word for up to
+    4 elements and two above, INT4 one word."""
+    rows, block = 3, 16
+    rb = layout.row_bytes(length, bits, block)
+    x = sample(rows * length, torch.float32, "cpu")
+    got = torch.full((rows, rb), 0xAB, dtype=torch.uint8)
+    want = torch.empty_like(got)
+    torch.ops.megatron_zpp._cuda_schedule_quantize_rows_(x, got, bits, block, False, SEED)
+    ops.quantize_rows_(x, want, bits, block, False, SEED, backend="kernel")
+    assert torch.equal(got, want)
+    y = torch.empty(rows * length)
+    torch.ops.megatron_zpp._cuda_schedule_dequantize_rows_(want, y, bits, block)
+    assert float_diff(y, ops.dequantize(want, (rows * length,), torch.float32, bits, block)) == 0

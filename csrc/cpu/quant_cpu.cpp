@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "zpp/op_checks.h"
+#include "zpp/quant_chunks.h"
 #include "zpp/quant_math.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -201,6 +202,172 @@ void dequant_reduce_cpu(const at::Tensor& packed_in, const at::Tensor& out, int6
                                static_cast<float>(divisor));
 }
 
+
+// ------------------------------ the CUDA kernels' schedule, on the host ----
+// Test-only ops (_cuda_schedule_*): the CUDA kernels' work decomposition run serially on CPU
+// tensors with the same zpp/quant_chunks.h functions the device code calls: chunk loads and
+// tails, lane -> chunk assignment of each group shape, staged or streamed passes, whole-word
+// packing (row padding included), the per-chunk fused sum. What they cannot cover is the CUDA
+// side proper: shuffles, vector loads, launch shapes. tests/test_kernels.py requires their bytes
+// to equal the CPU kernels'.
+void store_scale_bytes(uint8_t* row, int64_t k, float scale) { std::memcpy(row + 4 * k, &scale, 4); }
+
+template <typename T>
+struct HostInputSource {
+  const T* xb;
+  void load(int64_t c, int cnt, float (&v)[chunks::kChunk]) const {
+    for (int i = 0; i < cnt; ++i) v[i] = static_cast<float>(xb[c * chunks::kChunk + i]);
+  }
+};
+
+// One quantization block by a group of `lanes` emulated threads; returns the block's scale.
+template <int V, typename Source>
+float schedule_group(Source& src, int64_t n, int lanes, int bits, bool stochastic, uint64_t seed, uint64_t index0,
+                     uint8_t* data, int64_t e0) {
+  chunks::RowSink sink{data, e0, bits};
+  uint32_t m = 0;
+  if constexpr (V > 0) {
+    struct Staged {
+      float v[V][chunks::kChunk];
+    };
+    std::vector<Staged> staged(lanes);
+    for (int lane = 0; lane < lanes; ++lane)
+      m = std::max(m, chunks::lane_stage<V>(src, n, lane, lanes, staged[lane].v));
+    const chunks::BlockQuant q = chunks::block_quant(m, bits, stochastic, seed);
+    for (int lane = 0; lane < lanes; ++lane)
+      chunks::lane_quantize<V>(sink, staged[lane].v, n, lane, lanes, bits, q, index0);
+    return q.scale;
+  } else {
+    for (int lane = 0; lane < lanes; ++lane) m = std::max(m, chunks::lane_absmax_streamed(src, n, lane, lanes));
+    const chunks::BlockQuant q = chunks::block_quant(m, bits, stochastic, seed);
+    for (int lane = 0; lane < lanes; ++lane) chunks::lane_quantize_streamed(src, sink, n, lane, lanes, bits, q, index0);
+    return q.scale;
+  }
+}
+
+template <typename Fn>
+void schedule_dispatch(int64_t block, Fn fn) {
+  const chunks::GroupShape shape = chunks::group_shape(block);
+  switch (shape.chunks_per_lane) {
+    case 1: return fn(std::integral_constant<int, 1>{}, shape.lanes);
+    case 2: return fn(std::integral_constant<int, 2>{}, shape.lanes);
+    case 4: return fn(std::integral_constant<int, 4>{}, shape.lanes);
+    case 8: return fn(std::integral_constant<int, 8>{}, shape.lanes);
+    default: return fn(std::integral_constant<int, 0>{}, shape.lanes);
+  }
+}
+
+template <typename Fn>
+void schedule_dtype(const at::Tensor& t, Fn fn) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return fn(static_cast<float*>(nullptr));
+    case at::kBFloat16: return fn(static_cast<c10::BFloat16*>(nullptr));
+    default: return fn(static_cast<c10::Half*>(nullptr));
+  }
+}
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "megatron_zpp::_cuda_schedule_*: ", name, " must be a CPU tensor (host emulation)");
+}
+
+void cuda_schedule_quantize_rows(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t block,
+                                 bool stochastic, int64_t seed) {
+  const int64_t length = check_quantize_rows(x, packed, bits, block);
+  check_cpu(x, "x");
+  const int64_t rows = packed.size(0), nb = num_blocks(length, block), rb = row_bytes(length, bits, block);
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  schedule_dtype(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* xt = static_cast<const T*>(x.data_ptr());
+    schedule_dispatch(block, [&](auto v, int lanes) {
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t k = 0; k < nb; ++k) {
+          const int64_t e0 = k * block, n = std::min(block, length - e0);
+          HostInputSource<T> src{xt + r * length + e0};
+          uint8_t* row = out + r * rb;
+          store_scale_bytes(row, k, schedule_group<decltype(v)::value>(src, n, lanes, static_cast<int>(bits),
+                                                                        stochastic, static_cast<uint64_t>(seed),
+                                                                        static_cast<uint64_t>(r * length + e0),
+                                                                        row + 4 * nb, e0));
+        }
+    });
+  });
+}
+
+void cuda_schedule_dequant_reduce_quantize(const at::Tensor& packed_in, const at::Tensor& packed_out,
+                                           int64_t row_numel, int64_t bits_in, int64_t block_in, int64_t bits_out,
+                                           int64_t block_out, bool stochastic, int64_t seed) {
+  check_dequant_reduce_quantize(packed_in, packed_out, row_numel, bits_in, block_in, bits_out, block_out);
+  check_cpu(packed_in, "packed_in");
+  const int64_t chunks = packed_in.size(0), rows = packed_in.size(1);
+  const int64_t nb_in = num_blocks(row_numel, block_in), rb_in = row_bytes(row_numel, static_cast<int>(bits_in), block_in);
+  const int64_t nb = num_blocks(row_numel, block_out), rb = row_bytes(row_numel, static_cast<int>(bits_out), block_out);
+  uint8_t* out = packed_out.data_ptr<uint8_t>();
+  schedule_dispatch(block_out, [&](auto v, int lanes) {
+    for (int64_t k = 0; k < rows; ++k)
+      for (int64_t j = 0; j < nb; ++j) {
+        const int64_t e0 = j * block_out, n = std::min(block_out, row_numel - e0);
+        chunks::ReduceSource src{packed_in.data_ptr<uint8_t>(), chunks, rows, rb_in, nb_in, k, e0,
+                                 static_cast<int>(bits_in), block_in};
+        uint8_t* row = out + k * rb;
+        store_scale_bytes(row, j, schedule_group<decltype(v)::value>(src, n, lanes, static_cast<int>(bits_out),
+                                                                      stochastic, static_cast<uint64_t>(seed),
+                                                                      static_cast<uint64_t>(k * row_numel + e0),
+                                                                      row + 4 * nb, e0));
+      }
+  });
+}
+
+// The elementwise kernels: one emulated thread per chunk.
+void cuda_schedule_dequantize_rows(const at::Tensor& packed, const at::Tensor& out, int64_t bits, int64_t block) {
+  const int64_t length = check_dequantize_rows(packed, out, bits, block);
+  check_cpu(packed, "packed");
+  const int64_t rows = packed.size(0), nb = num_blocks(length, block), rb = row_bytes(length, bits, block);
+  const uint8_t* in = packed.data_ptr<uint8_t>();
+  schedule_dtype(out, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* y = static_cast<T*>(out.data_ptr());
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t e = 0; e < length; e += chunks::kChunk) {
+        const int cnt = chunks::chunk_count(length - e, 0);
+        const uint8_t* row = in + r * rb;
+        uint32_t w[2];
+        chunks::load_chunk_words(row + 4 * nb, e, cnt, static_cast<int>(bits), w);
+        float v[chunks::kChunk];
+        chunks::dequantize_chunk(w, static_cast<int>(bits), chunks::load_f32_scale(row, e / block), v);
+        for (int i = 0; i < cnt; ++i) y[r * length + e + i] = static_cast<T>(v[i]);
+      }
+  });
+}
+
+void cuda_schedule_dequant_reduce(const at::Tensor& packed_in, const at::Tensor& out, int64_t bits, int64_t block,
+                                  double divisor) {
+  const int64_t length = check_dequant_reduce(packed_in, out, bits, block, divisor);
+  check_cpu(packed_in, "packed_in");
+  const int64_t chunks = packed_in.size(0), rows = packed_in.size(1);
+  const int64_t nb = num_blocks(length, block), rb = row_bytes(length, static_cast<int>(bits), block);
+  const float d = static_cast<float>(divisor);
+  schedule_dtype(out, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* y = static_cast<T*>(out.data_ptr());
+    for (int64_t k = 0; k < rows; ++k)
+      for (int64_t e = 0; e < length; e += chunks::kChunk) {
+        const int cnt = chunks::chunk_count(length - e, 0);
+        float acc[chunks::kChunk];
+        chunks::reduce_chunk(packed_in.data_ptr<uint8_t>(), chunks, rows, rb, nb, k, e, cnt, static_cast<int>(bits),
+                             block, acc);
+        for (int i = 0; i < cnt; ++i) y[k * length + e + i] = static_cast<T>(f32_div(acc[i], d));
+      }
+  });
+}
+
+// [lanes, chunks_per_lane] of the CUDA quantizing kernels for a block size.
+std::vector<int64_t> cuda_group_shape(int64_t block) {
+  check_bits_block(8, block);
+  const chunks::GroupShape s = chunks::group_shape(block);
+  return {s.lanes, s.chunks_per_lane};
+}
+
 }  // namespace
 
 // The level in use, for the other kernel families (zfp_cpu.cpp), so ZPP_CPU_ISA and _set_cpu_isa
@@ -215,6 +382,10 @@ TORCH_LIBRARY_IMPL(megatron_zpp, CPU, m) {
   m.impl("dequantize_rows_", &zpp::dequantize_rows_cpu);
   m.impl("dequant_reduce_quantize_", &zpp::dequant_reduce_quantize_cpu);
   m.impl("dequant_reduce_", &zpp::dequant_reduce_cpu);
+  m.impl("_cuda_schedule_quantize_rows_", &zpp::cuda_schedule_quantize_rows);
+  m.impl("_cuda_schedule_dequantize_rows_", &zpp::cuda_schedule_dequantize_rows);
+  m.impl("_cuda_schedule_dequant_reduce_quantize_", &zpp::cuda_schedule_dequant_reduce_quantize);
+  m.impl("_cuda_schedule_dequant_reduce_", &zpp::cuda_schedule_dequant_reduce);
 }
 
 // Which compiled level of the CPU loops runs (no tensors: registered with their implementation).
@@ -222,4 +393,12 @@ TORCH_LIBRARY_FRAGMENT(megatron_zpp, m) {
   m.def("_cpu_isa() -> str", &zpp::cpu_isa);
   m.def("_cpu_isas() -> str[]", &zpp::cpu_isas);
   m.def("_set_cpu_isa(str isa) -> str", &zpp::set_cpu_isa);
+  // Test-only: the CUDA kernels' work decomposition (zpp/quant_chunks.h) run on CPU tensors.
+  m.def("_cuda_group_shape(int block) -> int[]", &zpp::cuda_group_shape);
+  m.def("_cuda_schedule_quantize_rows_(Tensor x, Tensor(a!) packed, int bits, int block, bool stochastic, int seed) -> ()");
+  m.def("_cuda_schedule_dequantize_rows_(Tensor packed, Tensor(a!) out, int bits, int block) -> ()");
+  m.def(
+      "_cuda_schedule_dequant_reduce_quantize_(Tensor packed_in, Tensor(a!) packed_out, int row_numel, int bits_in, "
+      "int block_in, int bits_out, int block_out, bool stochastic, int seed) -> ()");
+  m.def("_cuda_schedule_dequant_reduce_(Tensor packed_in, Tensor(a!) out, int bits, int block, float divisor) -> ()");
 }
