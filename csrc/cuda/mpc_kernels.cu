@@ -169,15 +169,21 @@ void launch_checksum(const uint8_t* p, int64_t buffer_bytes, uint32_t* acc, cuda
 }
 
 // ---------------------------------------------------------------- decode ----
+// One warp per sub-chunk, kCountWarps sub-chunks per CTA (a 32-thread CTA per sub-chunk would cap
+// an SM at its resident-CTA limit, a quarter to a half of its threads).
+constexpr int kCountWarps = 8;
+
 template <int kBits>
 __global__ void decode_counts(const uint32_t* bitmap, int64_t n, int64_t* counts) {
-  const int64_t k = blockIdx.x;
+  const int lane = threadIdx.x & 31;
+  const int64_t k = int64_t(blockIdx.x) * kCountWarps + threadIdx.x / 32;
+  if (k >= num_subchunks(n)) return;  // the whole warp: no shuffle is left half-populated
   const int per_sub = subchunk_plane_words(kBits) / 32;
   const int64_t nbitmap = bitmap_words(n, kBits);
-  const int64_t b = k * per_sub + threadIdx.x;
-  int c = (threadIdx.x < per_sub && b < nbitmap) ? __popc(bitmap[b]) : 0;
+  const int64_t b = k * per_sub + lane;
+  int c = (lane < per_sub && b < nbitmap) ? __popc(bitmap[b]) : 0;
   for (int off = 16; off > 0; off >>= 1) c += __shfl_xor_sync(kFull, c, off);
-  if (threadIdx.x == 0) counts[k] = c;
+  if (lane == 0) counts[k] = c;
 }
 
 template <int kBits>
@@ -290,8 +296,9 @@ void launch_mpc_decode(const uint8_t* payload, int64_t payload_bytes, void* out,
   auto* counts = static_cast<int64_t*>(scratch);
   int64_t* offsets = counts + k;
   const auto* bitmap = reinterpret_cast<const uint32_t*>(payload + kMpcBodyOffset);
-  if (bits == 32) decode_counts<32><<<k, 32, 0, stream>>>(bitmap, n, counts);
-  else decode_counts<16><<<k, 32, 0, stream>>>(bitmap, n, counts);
+  const unsigned count_ctas = (k + kCountWarps - 1) / kCountWarps;
+  if (bits == 32) decode_counts<32><<<count_ctas, 32 * kCountWarps, 0, stream>>>(bitmap, n, counts);
+  else decode_counts<16><<<count_ctas, 32 * kCountWarps, 0, stream>>>(bitmap, n, counts);
   exclusive_scan<<<1, kThreads, 0, stream>>>(counts, k, offsets);
   if (bits == 32) decode_subchunks<32><<<k, kThreads, 0, stream>>>(payload, payload_bytes, out, n, dim, offsets);
   else decode_subchunks<16><<<k, kThreads, 0, stream>>>(payload, payload_bytes, out, n, dim, offsets);
