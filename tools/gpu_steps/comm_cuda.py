@@ -22,7 +22,7 @@ What is checked, on every rank:
    objects and one rounding epoch per case, so stochastic rounding draws the same seeds) and the outputs
    must be bit-identical (the kernels' contract, ``compression/blockwise.md``: CPU and GPU agree bit for
    bit, reductions in a fixed order).
-2. Ordering: async calls issued while the caller's stream is still busy producing their inputs
+2. Ordering: async calls issued from a non-default caller stream while it is still busy producing their inputs
    (``torch.cuda._sleep`` before the producing kernel), waited out of order, outputs read right after
    ``wait()`` on the caller's stream, compared bitwise with the synchronous results. A missing
    caller->comm or comm->caller stream dependency shows up as stale inputs or outputs. The host time of
@@ -38,6 +38,7 @@ What is checked, on every rank:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -197,8 +198,13 @@ def _ordering(topo, device, quick: bool) -> tuple[list[dict], dict]:
         del inputs  # freed while the comm stream may still use them: record_stream must keep them alive
         return snapshot, first_launch
 
-    sync_outs, _ = issue(False)
-    async_outs, first_launch = issue(True)
+    # The caller runs on a stream of its own: gloo's worker thread makes the *default* stream wait for each
+    # work's copy-back, which would hide a missing dependency of a caller on the default stream.
+    with torch.cuda.stream(torch.cuda.Stream()) if cuda else contextlib.nullcontext():
+        if cuda:
+            torch.cuda.current_stream().wait_stream(torch.cuda.default_stream())
+        sync_outs, _ = issue(False)
+        async_outs, first_launch = issue(True)
     if cuda:
         torch.cuda.synchronize()
     rows = [{"check": "async_out_of_order", "call": i, "rank": topo.rank,
