@@ -71,9 +71,10 @@ def _bits(t):
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
-def _cases(quick: bool):
-    """(name, kind, codec, intra codec, stages, dtype name, shard length) of every compared call."""
-    lengths = (7, 1000, 65537) if quick else (7, 1000, 65537, 1 << 20)
+def _cases(quick: bool, cpu: bool = False):
+    """(name, kind, codec, intra codec, stages, dtype name, shard length) of every compared call. The CPU
+    self-check's quick run keeps the small lengths: CPU against itself, only the logic is under test."""
+    lengths = ((7, 1000) if cpu else (7, 1000, 65537)) if quick else (7, 1000, 65537, 1 << 20)
     cases = []
     for n in lengths:
         cases += [
@@ -137,7 +138,7 @@ def _compare(topo, device, quick: bool) -> list[dict]:
     import torch
 
     rows = []
-    for i, case in enumerate(_cases(quick)):
+    for i, case in enumerate(_cases(quick, cpu=device.type == "cpu")):
         x = _input(case, topo.rank, topo.size)
         ref = _run_case(topo, case, torch.device("cpu"), 1000 + i, x)
         got = _run_case(topo, case, device, 1000 + i, x)
@@ -246,32 +247,48 @@ def _steady_calls(topo, device, n: int):
     }
 
 
-def _count_syncs(topo, device, repeats: int) -> dict[str, int]:
-    """Host syncs per call on the calling thread, in "warn" mode (counted from Python's warnings)."""
+def _device_sync(device) -> None:
     import torch
 
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def _sync_debug(device, mode: str):
+    """torch's CUDA sync debug mode for the enclosed calls; nothing on CPU (the self-check runs the calls)."""
+    import torch
+
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _count_syncs(topo, device, repeats: int) -> dict[str, float]:
+    """Host syncs per call on the calling thread, in "warn" mode (counted from Python's warnings)."""
     calls = _steady_calls(topo, device, 4099)
     for run in calls.values():  # warm-up: settings handshake, codec and stream creation
         run()
-    torch.cuda.synchronize()
+    _device_sync(device)
     counts = {}
     for name, run in calls.items():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
+            with _sync_debug(device, "warn"):
                 for _ in range(repeats):
                     run()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
         counts[name] = sum(SYNC_MESSAGE in str(w.message) for w in caught) / (2 * repeats)
-    torch.cuda.synchronize()
+    _device_sync(device)
     return counts
 
 
 def _strict_size1(device) -> dict[str, str]:
     """The same calls on one-member topologies (no backend call) under sync debug mode "error"."""
-    import torch
     import torch.distributed as dist
 
     from megatron_zpp.comm import Topology
@@ -282,18 +299,16 @@ def _strict_size1(device) -> dict[str, str]:
     calls = _steady_calls(topo, device, 4099)
     for run in calls.values():
         run()
-    torch.cuda.synchronize()
+    _device_sync(device)
     result = {}
     for name, run in calls.items():
-        torch.cuda.set_sync_debug_mode("error")
         try:
-            run()
+            with _sync_debug(device, "error"):
+                run()
             result[name] = "no host sync"
         except RuntimeError as e:
             result[name] = f"host sync: {str(e).splitlines()[0]}"
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    _device_sync(device)
     return result
 
 
@@ -337,9 +352,13 @@ def rank_main(device_name: str, quick: bool) -> dict:
     rows, figures = _ordering(topo, device, quick)
     result["rows"] += rows
     result["figures"].update(figures)
+    # On CPU the same calls run (no sync debug mode there): the self-check covers their code.
+    syncs = _count_syncs(topo, device, repeats=3 if quick else 10)
+    strict = _strict_size1(device)
     if device.type == "cuda":
-        result["figures"]["host_syncs_per_call"] = _count_syncs(topo, device, repeats=3 if quick else 10)
-        result["figures"]["strict_size1"] = _strict_size1(device)
+        result["figures"]["host_syncs_per_call"], result["figures"]["strict_size1"] = syncs, strict
+    else:
+        result["figures"]["steady_calls_run"] = sorted(syncs)
     return result
 
 
@@ -362,6 +381,8 @@ def summarize(results: list[dict], device: str) -> tuple[str, dict, list, str]:
     if per_rank and "first_async_launch_host_ms" in per_rank[0]:
         figures["first_async_launch_host_ms_max"] = max(f["first_async_launch_host_ms"] for f in per_rank)
         figures["caller_stream_busy_ms"] = per_rank[0]["caller_stream_busy_ms"]
+    if per_rank and "steady_calls_run" in per_rank[0]:
+        figures["steady_calls_run"] = per_rank[0]["steady_calls_run"]
     syncs = [f["host_syncs_per_call"] for f in per_rank if "host_syncs_per_call" in f]
     if syncs:
         figures["host_syncs_per_call"] = {k: max(s[k] for s in syncs) for k in syncs[0]}

@@ -187,17 +187,16 @@ def worker(run: str, megatron_argv: list[str], result_path: Path, cpu: bool) -> 
     try:
         config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
         pretrain(config, _datasets, ModelType.encoder_or_decoder, partial(_forward_step, recorder, device))
-        if not cpu:
-            torch.cuda.synchronize()
-        end = time.perf_counter()
     finally:
         if hooks is not None:
             hooks.uninstall()
     if int(os.environ.get("RANK", "0")) != 0:
         return
     losses = recorder.per_iteration_loss()
-    starts = recorder.starts + [end]
-    skip = max(2, len(recorder.starts) // 10)  # warm-up: the first tenth (at least the first two iterations)
+    # Iteration i runs from starts[i] to starts[i + 1]; the last one, whose end would include Megatron's
+    # teardown, is left out, as is the warm-up (the first tenth, at least two iterations).
+    starts = recorder.starts
+    skip = max(2, len(starts) // 10)
     timed = len(starts) - 1 - skip
     seconds = starts[-1] - starts[skip]
     tokens_per_iteration = args.global_batch_size * args.seq_length
