@@ -409,7 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: self-check of this script's logic on CPU tensors (CPU compared with itself)")
-    p.add_argument("--timeout", type=float, default=170.0, help="seconds before every rank is stopped")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds before every rank is stopped (default 170, --quick 85: the step's limits are 3 "
+                        "and ~1.5 minutes)")
     a = p.parse_args(argv)
 
     import torch
@@ -424,10 +426,11 @@ def main(argv: list[str] | None = None) -> int:
                                 + ops._why_unavailable(torch.device("cuda")))
     from megatron_zpp.testing import run_distributed
 
+    wall = a.timeout or (85.0 if a.quick else 170.0) * (3 if a.device == "cpu" else 1)
     start = time.monotonic()
     try:
         results = run_distributed(rank_main, WORLD_SIZE, a.device, a.quick, ranks_per_node=RANKS_PER_NODE,
-                                  timeout_s=60.0, wall_limit_s=a.timeout)
+                                  timeout_s=60.0, wall_limit_s=wall)
     except Exception as e:  # noqa: BLE001 (a failing rank's traceback is the step's detail)
         return write_result(a.out, "fail", {"device": a.device, "seconds": time.monotonic() - start}, [],
                             f"{type(e).__name__}: {e}"[-4000:])

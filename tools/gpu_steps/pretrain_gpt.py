@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: self-check of this script on one CPU rank with a tiny model")
-    p.add_argument("--timeout", type=float, default=None, help="seconds per run (default 110, --quick 40)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per run (default 110, --quick 55)")
     a = p.parse_args(argv)
     cpu = a.device == "cpu"
     if not cpu:
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             return write_result(a.out, "skipped", {}, [], "no CUDA device (torch.cuda.is_available() is False)")
     a.out.mkdir(parents=True, exist_ok=True)
     model = CPU_MODEL if cpu else GPU_MODEL["quick" if a.quick else "full"]
-    timeout = a.timeout or (40.0 if a.quick else 110.0) * (3 if cpu else 1)
+    timeout = a.timeout or (55.0 if a.quick else 110.0) * (3 if cpu else 1)
     rows = [run_once(policy, model, a.out, timeout, cpu) for policy in POLICIES]
     status, figures, detail = judge(rows, cpu)
     figures["model_args"] = " ".join(model)
