@@ -54,7 +54,7 @@ def test_without_a_gpu_the_step_is_skipped(name, tmp_path):
 def _rank(rank: int, bit_identical: bool = True, syncs: float = 0.0, strict: str = "no host sync") -> dict:
     rows = [{"check": "equal_to_cpu", "case": "qgz int4 fp32", "length": 1000, "rank": rank,
              "bit_identical": bit_identical, "max_abs_diff": 0.0 if bit_identical else 1e-3},
-            {"check": "async_out_of_order", "call": 0, "rank": rank, "bit_identical": True}]
+            {"check": "ordering", "mode": "async_out_of_order", "call": 0, "rank": rank, "bit_identical": True}]
     return {"rank": rank, "rows": rows, "probe": {"all_gather_into_tensor": "ok", "all_to_all_single": "ok"},
             "figures": {"first_async_launch_host_ms": 1.0, "caller_stream_busy_ms": 50.0,
                         "host_syncs_per_call": {"qgz int4": syncs, "qwz int8": 0.0},
@@ -66,6 +66,10 @@ def test_comm_cuda_verdicts():
     assert step.summarize([_rank(r) for r in range(4)], "cuda")[0] == "pass"
     status, figures, _, detail = step.summarize([_rank(0), _rank(1, bit_identical=False), _rank(2), _rank(3)], "cuda")
     assert status == "fail" and "differ from the CPU path" in detail and figures["cases_bit_identical"] == 3
+    stale = _rank(2)
+    stale["rows"][1]["bit_identical"] = False
+    status, figures, _, detail = step.summarize([_rank(0), _rank(1), stale, _rank(3)], "cuda")
+    assert status == "fail" and "stream ordering" in detail and figures["ordering_mismatches"] == 1
     status, figures, _, detail = step.summarize([_rank(0, syncs=1.0)] + [_rank(r) for r in (1, 2, 3)], "cuda")
     assert status == "fail" and figures["host_syncs_per_call"]["qgz int4"] == 1.0 and "host syncs" in detail
     status, _, _, detail = step.summarize([_rank(r, strict="host sync: called a synchronizing CUDA operation")
@@ -138,7 +142,7 @@ def test_comm_cuda_self_check_on_cpu(tmp_path):
     assert result["status"] == "pass", result["detail"]
     f = result["figures"]
     assert f["world_size"] == 4 and f["cases_compared"] == f["cases_bit_identical"] == 20 * 4
-    assert f["async_checks"] == 3 * 4 and f["async_mismatches"] == 0
+    assert f["ordering_checks"] == 2 * 3 * 4 and f["ordering_mismatches"] == 0  # sync and async, 3 calls, 4 ranks
     assert len(f["steady_calls_run"]) == 6  # the host-sync counting's calls ran (without sync debug mode)
     print(f"\ncomm_cuda --device cpu --quick: {result['detail']}")
 

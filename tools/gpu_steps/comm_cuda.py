@@ -24,7 +24,8 @@ What is checked, on every rank:
    bit, reductions in a fixed order).
 2. Ordering: async calls issued from a non-default caller stream while it is still busy producing their inputs
    (``torch.cuda._sleep`` before the producing kernel), waited out of order, outputs read right after
-   ``wait()`` on the caller's stream, compared bitwise with the synchronous results. A missing
+   ``wait()`` on the caller's stream; these and the same calls made synchronously must equal the same
+   calls on CPU bit for bit (a stale read could otherwise repeat itself identically). A missing
    caller->comm or comm->caller stream dependency shows up as stale inputs or outputs. The host time of
    the first async launch is reported against the caller stream's busy time (the launch should not
    block the host; later launches do with gloo, whose ``work.wait()`` blocks the host by design).
@@ -164,7 +165,8 @@ def _busy_cycles(ms: float) -> int:
 
 
 def _ordering(topo, device, quick: bool) -> tuple[list[dict], dict]:
-    """Async calls whose inputs the caller's stream is still producing, waited out of order."""
+    """Async calls whose inputs the caller's stream is still producing, waited out of order; their results
+    and the synchronous ones against the same calls on CPU."""
     import torch
 
     from megatron_zpp.comm import qgz_reduce_scatter, quantized_all_gather, set_rounding_epoch
@@ -172,20 +174,21 @@ def _ordering(topo, device, quick: bool) -> tuple[list[dict], dict]:
 
     size, n = topo.size, (1000 if quick else 65537)
     g = torch.Generator().manual_seed(77 + topo.rank)
-    srcs = [torch.randn(size * n, generator=g).to(device) for _ in range(3)]
+    srcs = [torch.randn(size * n, generator=g) for _ in range(3)]
     specs = ("int4:block=128", "int8:block=256", "int4:block=128,rounding=stochastic")
     cuda = device.type == "cuda"
     busy_ms = 50.0
     cycles = _busy_cycles(busy_ms) if cuda else 0
 
-    def issue(async_op: bool):
+    def issue(dev, async_op: bool):
         set_rounding_epoch(5000)
         codecs = [get_codec(s) for s in specs]
-        outs = [torch.full((n,), float("nan"), device=device), torch.full((size * n,), float("nan"), device=device),
-                torch.full((n,), float("nan"), device=device)]
-        if cuda:
+        on_dev = [s.to(dev) for s in srcs]
+        outs = [torch.full((n,), float("nan"), device=dev), torch.full((size * n,), float("nan"), device=dev),
+                torch.full((n,), float("nan"), device=dev)]
+        if dev.type == "cuda":
             torch.cuda._sleep(cycles)  # the caller's stream is busy; the inputs below come after
-        inputs = [s * 1.0 for s in srcs]  # produced on the caller's stream after the busy period
+        inputs = [s * 1.0 for s in on_dev]  # produced on the caller's stream after the busy period
         t0 = time.perf_counter()
         handles = [qgz_reduce_scatter(outs[0], inputs[0], topo, codec=codecs[0], async_op=async_op)]
         first_launch = time.perf_counter() - t0
@@ -199,18 +202,19 @@ def _ordering(topo, device, quick: bool) -> tuple[list[dict], dict]:
         del inputs  # freed while the comm stream may still use them: record_stream must keep them alive
         return snapshot, first_launch
 
+    expected, _ = issue(torch.device("cpu"), False)
     # The caller runs on a stream of its own: gloo's worker thread makes the *default* stream wait for each
     # work's copy-back, which would hide a missing dependency of a caller on the default stream.
     with torch.cuda.stream(torch.cuda.Stream()) if cuda else contextlib.nullcontext():
-        if cuda:
-            torch.cuda.current_stream().wait_stream(torch.cuda.default_stream())
-        sync_outs, _ = issue(False)
-        async_outs, first_launch = issue(True)
+        sync_outs, _ = issue(device, False)
+        async_outs, first_launch = issue(device, True)
     if cuda:
         torch.cuda.synchronize()
-    rows = [{"check": "async_out_of_order", "call": i, "rank": topo.rank,
-             "bit_identical": bool(torch.equal(_bits(a), _bits(s)))} for i, (a, s) in enumerate(zip(async_outs,
-                                                                                                   sync_outs))]
+    rows = []
+    for mode, outs in (("sync", sync_outs), ("async_out_of_order", async_outs)):
+        rows += [{"check": "ordering", "mode": mode, "call": i, "rank": topo.rank,
+                  "bit_identical": bool(torch.equal(_bits(o), _bits(e)))} for i, (o, e) in enumerate(zip(outs,
+                                                                                                          expected))]
     figures = {"first_async_launch_host_ms": first_launch * 1e3, "caller_stream_busy_ms": busy_ms if cuda else 0.0}
     return rows, figures
 
@@ -371,12 +375,12 @@ def summarize(results: list[dict], device: str) -> tuple[str, dict, list, str]:
     if probe and any(v != "ok" for v in probe.values()):
         return "unsupported", figures, rows, f"gloo refuses CUDA tensors in this torch build: {probe}"
     compared = [r for r in rows if r["check"] == "equal_to_cpu"]
-    ordered = [r for r in rows if r["check"] == "async_out_of_order"]
+    ordered = [r for r in rows if r["check"] == "ordering"]
     mismatched = sorted({(r["case"], r["length"]) for r in compared if not r["bit_identical"]})
     disordered = [r for r in ordered if not r["bit_identical"]]
     figures.update({"cases_compared": len(compared), "cases_bit_identical": len(compared) - len(
-        [r for r in compared if not r["bit_identical"]]), "async_checks": len(ordered),
-        "async_mismatches": len(disordered)})
+        [r for r in compared if not r["bit_identical"]]), "ordering_checks": len(ordered),
+        "ordering_mismatches": len(disordered)})
     per_rank = [res["figures"] for res in results]
     if per_rank and "first_async_launch_host_ms" in per_rank[0]:
         figures["first_async_launch_host_ms_max"] = max(f["first_async_launch_host_ms"] for f in per_rank)
@@ -391,16 +395,18 @@ def summarize(results: list[dict], device: str) -> tuple[str, dict, list, str]:
     if mismatched:
         problems.append(f"{len(mismatched)} (case, length) pairs differ from the CPU path: {mismatched[:6]}")
     if disordered:
-        problems.append(f"{len(disordered)} async results differ from the synchronous ones (stream ordering)")
+        problems.append(f"{len(disordered)} results of calls issued behind a busy caller stream differ from the "
+                        f"CPU path (stream ordering): {[(r['mode'], r['call']) for r in disordered][:6]}")
     if syncs and any(v for v in figures["host_syncs_per_call"].values()):
         problems.append(f"host syncs on the hot path: {figures['host_syncs_per_call']}")
     if syncs and any(v != "no host sync" for v in figures["strict_size1"].values()):
         problems.append(f"host syncs on one-member topologies: {figures['strict_size1']}")
     if problems:
         return "fail", figures, rows, "; ".join(problems)
-    return "pass", figures, rows, (f"{len(compared)} calls bit-identical to the CPU path on {len(results)} ranks "
-                                   f"(gloo, {device} tensors); {len(ordered)} async out-of-order results equal; "
-                                   + ("no host syncs" if syncs else "sync counting needs CUDA"))
+    return "pass", figures, rows, (
+        f"{len(compared)} calls bit-identical to the CPU path on {len(results)} ranks (gloo, {device} tensors); "
+        f"{len(ordered)} results of calls behind a busy caller stream (sync, and async waited out of order) equal "
+        "to the CPU path; " + ("no host syncs" if syncs else "sync counting needs CUDA"))
 
 
 def main(argv: list[str] | None = None) -> int:
