@@ -115,6 +115,15 @@ def test_pretrain_gpt_verdicts():
     assert step.judge(crashed, cpu=False)[0] == "fail"
 
 
+def test_run_summary_peak_memory_is_none_off_the_gpu():
+    """pretrain_gpt's figure comes from the run summary's ``gpu_peak_memory_bytes``; on CPU there is none."""
+    import torch
+
+    from megatron_zpp.training.log import gpu_peak_memory_bytes
+
+    assert gpu_peak_memory_bytes(torch.device("cpu")) is None
+
+
 def test_megatron_lm_verdicts():
     step = _load("megatron_lm")
     ok = [_training_row("run", r, 7.0, 2.0) for r in step.RUNS]
@@ -154,4 +163,9 @@ def test_training_step_self_check_on_cpu(name, tmp_path):
     assert code == 0, output
     _schema(result)
     assert result["status"] == "pass", result["detail"]
+    for row in result["rows"]:
+        assert row["returncode"] == 0 and row["iterations"] >= 4, row
+    if name == "pretrain_gpt":  # the summary carries the peak-memory figure (None on CPU)
+        summary = json.loads((tmp_path / "pretrain_gpt-zeropp.summary.json").read_text())
+        assert "gpu_peak_memory_bytes" in summary and summary["gpu_peak_memory_bytes"] is None
     print(f"\n{name} --device cpu: {result['detail']}")
