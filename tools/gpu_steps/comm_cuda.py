@@ -10,9 +10,9 @@ Backend. NCCL refuses two ranks on one device, so the multi-rank part runs 4 pro
 (2 simulated nodes x 2, ``megatron_zpp.testing.run_distributed``) over gloo, whose
 ``all_gather_into_tensor`` and ``all_to_all_single`` (the only two backend calls the qwZ/hpZ/qgZ paths
 make) take CUDA tensors: torch's ProcessGroupGloo stages them through pinned host memory on its own
-stream (``AsyncAllgatherCUDAWork`` / ``AsyncAlltoallCUDAWork``; CUDA ``reduce_scatter`` has no gloo
-implementation, and none is needed here). Each rank first probes both calls with CUDA tensors and
-reports the outcome; a refusal makes the step "unsupported". NCCL at world size 1 would reach no
+stream (``all_gather_into_tensor`` is its ``allgather``, ``AsyncAllgatherCUDAWork``; ``all_to_all_single``
+is ``AsyncAlltoallCUDAWork``). Each rank first probes both calls with CUDA tensors and reports the
+outcome; a refusal makes the step "unsupported". NCCL at world size 1 would reach no
 backend call at all (a one-member topology copies), so the NCCL-free size-1 part below covers what it
 could: our own code's host syncs, strictly.
 

@@ -9,9 +9,10 @@ the first iteration), peak GPU memory (``gpu_peak_memory_bytes`` of the run summ
 ``torch.cuda.max_memory_allocated``), first and final loss, and the data-parallel collectives each policy
 ran (``traffic``). Writes ``DIR/pretrain_gpt.json``; exits 0 on pass / skipped, 1 on fail.
 
-World size 1, NCCL: the backend a user trains with. Several ranks on one GPU would need gloo with CUDA
-tensors, which has no ``reduce_scatter`` (Megatron's own call under ``--zpp-policy none``), and the ranks
-would time-share one GPU, so neither tokens/s nor memory would mean anything. At data-parallel size 1 the
+World size 1, NCCL: the backend a user trains with. Several ranks on one GPU would need gloo, which takes
+CUDA tensors only by staging them through host memory (its ``reduce_scatter_tensor``, Megatron's own call
+under ``--zpp-policy none``, is a whole all-reduce of a copy), and the ranks would time-share one GPU, so
+neither tokens/s nor memory would say anything about a GPU cluster. At data-parallel size 1 the
 collectives move nothing between ranks; what runs is the policy's hooks and codec kernels inside
 Megatron's overlapped bucket path on CUDA, which is what this step checks (the comm path across ranks is
 ``comm_cuda``'s).
