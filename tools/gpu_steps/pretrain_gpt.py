@@ -28,6 +28,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,14 +63,15 @@ def write_result(out: Path, status: str, figures: dict, rows: list, detail: str)
     return 1 if status == "fail" else 0
 
 
-def run_once(policy: str, model_args: list[str], out: Path, timeout_s: float, cpu: bool) -> dict:
-    """One ``pretrain_gpt.py`` run on one rank; a row with its summary figures, or the error's tail."""
+def run_once(policy: str, model_args: list[str], out: Path, timeout_s: float, cpu: bool, cache: Path) -> dict:
+    """One ``pretrain_gpt.py`` run on one rank; a row with its summary figures, or the error's tail. Its log
+    and summary stay in ``out``; the dataset index cache goes to ``cache`` (a scratch folder)."""
     summary_path = out / f"{NAME}-{policy}.summary.json"
     log_path = out / f"{NAME}-{policy}.log"
     summary_path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
            str(REPO / "pretrain_gpt.py"), *COMMON, *model_args, "--zpp-policy", policy,
-           "--summary-json", str(summary_path), "--data-cache-path", str(out / f"{NAME}-data-cache")]
+           "--summary-json", str(summary_path), "--data-cache-path", str(cache)]
     env = dict(os.environ)
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""  # the trainer picks CPU and gloo when it sees no GPU
@@ -145,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     model = CPU_MODEL if cpu else GPU_MODEL["quick" if a.quick else "full"]
     timeout = a.timeout or (55.0 if a.quick else 110.0) * (3 if cpu else 1)
-    rows = [run_once(policy, model, a.out, timeout, cpu) for policy in POLICIES]
+    with tempfile.TemporaryDirectory(prefix="zpp-gpu-step-") as cache:
+        rows = [run_once(policy, model, a.out, timeout, cpu, Path(cache)) for policy in POLICIES]
     status, figures, detail = judge(rows, cpu)
     figures["model_args"] = " ".join(model)
     if cpu:
