@@ -22,6 +22,17 @@ from megatron_zpp.training.soak_stats import ResourceSampler, interval_record
 MB = 1e6
 
 
+def gpu_peak_memory_bytes(device: torch.device) -> int | None:
+    """``torch.cuda.max_memory_allocated`` since the process started, the maximum over ranks (one small
+    collective, at the end); ``None`` off the GPU."""
+    if device.type != "cuda":
+        return None
+    peak = torch.tensor([torch.cuda.max_memory_allocated(device)], dtype=torch.int64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak.item())
+
+
 def _delta(now: dict[str, TagStats], before: dict[str, TagStats]) -> dict[str, TagStats]:
     out = {}
     for tag, s in now.items():
@@ -205,6 +216,7 @@ class IterationLogger:
             "finite": finite, "breakdown": breakdown, "nic": nic,
             "hpz_bytes_per_rank": hooks.hpz_bytes if hooks is not None else 0,
             "memory": self.resources.gathered(), "traffic_intervals": self.traffic_intervals,
+            "gpu_peak_memory_bytes": gpu_peak_memory_bytes(self.device),
             "replica_check": None if replica_check is None else {
                 "uses_compared": replica_check.result.uses_compared, "mismatches": replica_check.result.mismatch_count,
                 "first_mismatches": replica_check.result.mismatches},
@@ -217,6 +229,9 @@ class IterationLogger:
                  f"parameters finite: {summary['finite']}"
                  + (f"; hpZ secondary copies: {summary['hpz_bytes_per_rank'] / MB:.2f} MB per rank"
                     if summary["hpz_bytes_per_rank"] else ""))
+        if summary["gpu_peak_memory_bytes"] is not None:
+            self.log(f"> summary: peak GPU memory allocated (max over ranks): "
+                     f"{summary['gpu_peak_memory_bytes'] / MB:.0f} MB")
         if replica_check is not None:
             r = summary["replica_check"]
             self.log(f"> summary: weights at the point of use, compared across data-parallel replicas every "
