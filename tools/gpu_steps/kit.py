@@ -30,8 +30,10 @@ MANIFESTS = ("requirements.txt", "manifest.txt")
 MARKER = ".zpp_gpu_check_site"
 #: What the image's torch owns: never installed from the kit.
 NEVER = re.compile(r"^(torch|torchvision|torchaudio|triton|pytorch-triton|nvidia-.*)$")
-#: Imported by the later steps; checked after the install.
-NEEDED_MODULES = ("megatron.core", "zfpy", "zstandard", "einops")
+#: Imported by the later steps; checked after the install (``ZPP_GPU_CHECK_KIT_MODULES``, comma-separated,
+#: replaces the list).
+NEEDED_MODULES = tuple(m for m in os.environ.get("ZPP_GPU_CHECK_KIT_MODULES", "megatron.core,zfpy,zstandard,einops")
+                       .split(",") if m)
 
 
 def _norm(name: str) -> str:
