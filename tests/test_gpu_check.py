@@ -4,6 +4,7 @@ group at its limit, the report's schema; and every GPU step script refusing clea
 
 import base64
 import hashlib
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -253,11 +254,7 @@ def test_kit_step_installs_offline_and_never_torch(tmp_path):
     assert actions["megatron-zpp"].startswith("not installed")
     assert actions["numpy"].startswith("kept the image's")
     assert (site / "zpp_kit_probe.py").exists() and not (site / "torch").exists() and not (site / "numpy").exists()
-    assert result["figures"]["torch_after"] == torch.__version__ == result["figures"]["torch_before"]
-    # a second run empties the folder it made and installs again
-    proc = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "out")], capture_output=True,
-                          text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert result["figures"]["torch_after"] == importlib.metadata.version("torch") == result["figures"]["torch_before"]
     # a folder it did not make is never emptied
     foreign = tmp_path / "foreign"
     foreign.mkdir()

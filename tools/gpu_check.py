@@ -305,7 +305,9 @@ def validate_report(report: dict) -> list[str]:
 
 def key_figures(step: dict, limit: int = 6) -> str:
     """A few scalar figures for the table (the JSON has them all)."""
-    preferred = [k for k in step["figures"] if any(w in k for w in ("x_copy", "goal", "passed", "failed", "tokens",
+    exact = [k for k in ("device", "capability", "torch", "torch_cuda", "driver_cuda", "goal_met", "min_int_x_copy")
+             if k in step["figures"]]
+    preferred = exact + [k for k in step["figures"] if k not in exact and any(w in k for w in ("x_copy", "goal", "passed", "failed", "tokens",
                                                                      "loss", "peak", "compile", "memcheck",
                                                                      "racecheck", "device", "capability"))]
     keys = preferred + [k for k in step["figures"] if k not in preferred]

@@ -16,6 +16,7 @@ the first of ``requirements.txt``, ``manifest.txt`` in the kit; without one, eve
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -67,13 +68,15 @@ def installed_version(name: str) -> str | None:
 
 
 def import_check(env: dict | None = None) -> tuple[dict[str, str], dict]:
-    """Modules of NEEDED_MODULES that do not import in a fresh interpreter (with ``env``) and why,
-    and which torch that interpreter imports."""
-    code = ("import importlib, json, sys\nbad = {}\n"
+    """Modules of NEEDED_MODULES that do not import in a fresh interpreter (with ``env``) and why, and
+    the torch that interpreter would import (its version and file, found without importing it)."""
+    code = ("import importlib, importlib.metadata, importlib.util, json\nbad = {}\n"
             f"for m in {list(NEEDED_MODULES)!r}:\n"
             "    try: importlib.import_module(m)\n"
             "    except Exception as e: bad[m] = f'{type(e).__name__}: {e}'\n"
-            "import torch; print(json.dumps({'bad': bad, 'torch': torch.__version__, 'torch_file': torch.__file__}))")
+            "spec = importlib.util.find_spec('torch')\n"
+            "print(json.dumps({'bad': bad, 'torch': importlib.metadata.version('torch') if spec else None,\n"
+            "                  'torch_file': spec.origin if spec else None}))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     if proc.returncode != 0:
         return {"(interpreter)": proc.stderr[-2000:]}, {}
@@ -88,9 +91,10 @@ def body(args):
     # SITE is on our PYTHONPATH already (the orchestrator's environment is the same for every step):
     # what an earlier run left there must not count as "the image has it".
     sys.path[:] = [p for p in sys.path if not p or Path(p).resolve() != site]
-    import torch
-
-    torch_before = (torch.__version__, torch.__file__)
+    torch_spec = importlib.util.find_spec("torch")  # found, not imported: this step needs no torch itself
+    if torch_spec is None:
+        raise StepOutcome("fail", "torch is not installed: the GPU check runs on an image that has its CUDA torch")
+    torch_before = (importlib.metadata.version("torch"), torch_spec.origin)
     figures: dict = {"kit": str(kit), "site": str(site), "torch_before": torch_before[0]}
     if not kit.is_dir():
         base_env = dict(os.environ, PYTHONPATH=os.pathsep.join(
