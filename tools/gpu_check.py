@@ -33,7 +33,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -194,9 +194,9 @@ def run_step(step: Step, out: Path, quick: bool, limit: float, env: dict) -> dic
     else:
         status = claimed
     record["status"] = status
-    print(f"   {step.name}: {status.upper()} in {record['wall_s']:.1f} s"
-          + (f" (exit {proc.returncode})" if proc.returncode else "") + f" {record['detail'].splitlines()[0][:160] if record['detail'] else ''}",
-          flush=True)
+    first = record["detail"].splitlines()[0][:160] if record["detail"] else ""
+    exit_note = f" (exit {proc.returncode})" if proc.returncode else ""
+    print(f"   {step.name}: {status.upper()} in {record['wall_s']:.1f} s{exit_note} {first}", flush=True)
     return record
 
 
@@ -205,6 +205,8 @@ def step_env(out: Path, kit: Path, site: Path, quick: bool) -> dict:
     image has; the JIT build off (a step must use the built extension, not a CPU-only JIT copy)."""
     env = dict(os.environ)
     paths = [str(REPO), str(site)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    # site/bin: console scripts of the kit's wheels (ninja: torch's extension build runs it from PATH)
+    env["PATH"] = os.pathsep.join([str(site / "bin"), env.get("PATH", "")])
     env.update(PYTHONPATH=os.pathsep.join(paths), PYTHONUNBUFFERED="1", ZPP_JIT="0", ZPP_GPU_CHECK="1",
                ZPP_GPU_CHECK_KIT=str(kit), ZPP_GPU_CHECK_SITE=str(site), ZPP_GPU_CHECK_OUT=str(out),
                ZPP_GPU_CHECK_QUICK="1" if quick else "0")
@@ -307,9 +309,8 @@ def key_figures(step: dict, limit: int = 6) -> str:
     """A few scalar figures for the table (the JSON has them all)."""
     exact = [k for k in ("device", "capability", "torch", "torch_cuda", "driver_cuda", "goal_met", "min_int_x_copy")
              if k in step["figures"]]
-    preferred = exact + [k for k in step["figures"] if k not in exact and any(w in k for w in ("x_copy", "goal", "passed", "failed", "tokens",
-                                                                     "loss", "peak", "compile", "memcheck",
-                                                                     "racecheck", "device", "capability"))]
+    words = ("x_copy", "goal", "passed", "failed", "tokens", "loss", "peak", "compile", "memcheck", "racecheck")
+    preferred = exact + [k for k in step["figures"] if k not in exact and any(w in k for w in words)]
     keys = preferred + [k for k in step["figures"] if k not in preferred]
     parts = []
     for k in keys:
@@ -323,11 +324,12 @@ def key_figures(step: dict, limit: int = 6) -> str:
 
 def render_md(report: dict) -> str:
     env = report["environment"]
+    verdict = "all steps passed or were not applicable" if report["ok"] else "FAILURES"
     mode = ("dry run" if report["mode"]["dry_run"] else "quick" if report["mode"]["quick"] else "full")
     lines = [f"# GPU check ({mode}), {report['started']}", "",
              f"Device: {env.get('device', 'no CUDA device')}; torch {env.get('torch')} (CUDA {env.get('torch_cuda')});"
              f" driver {env.get('nvidia_smi', '?')}. Wall {report['wall_s']} s (setup {report['setup_s']} s, checks"
-             f" {report['checks_s']} s). Result: **{'all steps passed or were not applicable' if report['ok'] else 'FAILURES'}**"
+             f" {report['checks_s']} s). Result: **{verdict}**"
              f" ({', '.join(f'{v} {k}' for k, v in report['summary'].items() if v)}).", "",
              "| step | status | wall s | limit s | key figures |", "|---|---|---:|---:|---|"]
     for s in report["steps"]:
@@ -340,8 +342,8 @@ def render_md(report: dict) -> str:
     if failed:
         lines += ["", "## Failures", ""]
         for s in failed:
-            lines += [f"### {s['name']}: {s['status']} (exit {s['exit_code']}, {s['wall_s']:.1f} s of {s['limit_s']:.0f})",
-                      "", s["detail"][:3000], "", "Last lines of its output:", "", "```", s["tail"], "```", ""]
+            head = f"### {s['name']}: {s['status']} (exit {s['exit_code']}, {s['wall_s']:.1f} s of {s['limit_s']:.0f})"
+            lines += [head, "", s["detail"][:3000], "", "Last lines of its output:", "", "```", s["tail"], "```", ""]
             bad_rows = [r for r in s["rows"] if isinstance(r, dict) and r.get("status") == "fail"][:20]
             if bad_rows:
                 lines += ["Failing rows:", ""] + [f"- `{json.dumps(r, default=str)[:400]}`" for r in bad_rows] + [""]
@@ -373,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = select(steps, args.steps)
     if args.list:
         for s in steps:
-            print(f"{s.name:<14}{s.limit_s:>6.0f} s{s.quick_limit_s:>6.0f} s (quick)  {'setup  ' if s.setup else ''}{s.what}")
+            setup = "setup  " if s.setup else ""
+            print(f"{s.name:<14}{s.limit_s:>6.0f} s{s.quick_limit_s:>6.0f} s (quick)  {setup}{s.what}")
         return 0
     if args.dry_run:
         steps = [s if s.name == "env" or s.name.startswith("fake_") else stub(s) for s in steps]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -99,6 +98,3 @@ def require_cuda(what: str) -> None:
             f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device"
         raise StepOutcome("skipped", f"no GPU: {why}; {what} needs one")
 
-
-def quick() -> bool:
-    return os.environ.get("ZPP_GPU_CHECK_QUICK") == "1"

@@ -98,7 +98,8 @@ def probe() -> dict:
                nccl=".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None)
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        env.update(device=torch.cuda.get_device_name(0), capability=".".join(map(str, torch.cuda.get_device_capability(0))),
+        env.update(device=torch.cuda.get_device_name(0),
+                   capability=".".join(map(str, torch.cuda.get_device_capability(0))),
                    device_memory_gib=round(props.total_memory / 2**30, 1), sm_count=props.multi_processor_count,
                    torch_arch_list=torch.cuda.get_arch_list())
     env["nvcc"] = [{"path": str(p), "version": nvcc_version(p)} for p in find_tools("nvcc")]

@@ -573,8 +573,9 @@ def pytest_cases(ck: Checker, out, quick: bool) -> dict:
         failed = [f"{c.get('classname')}::{c.get('name')}" for s in suites for c in s.iter("testcase")
                   if c.find("failure") is not None or c.find("error") is not None]
         counts["failed_tests"] = failed[:50]
-        summary = (f"{counts['tests']} tests: {counts['tests'] - counts['failures'] - counts['errors'] - counts['skipped']}"
-                   f" passed, {counts['failures']} failed, {counts['errors']} errors, {counts['skipped']} skipped")
+        passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+        summary = (f"{counts['tests']} tests: {passed} passed, {counts['failures']} failed, "
+                   f"{counts['errors']} errors, {counts['skipped']} skipped")
         if counts["tests"] == 0:
             raise AssertionError("pytest selected no tests with -k 'cuda or gpu'")
         if failed or proc.returncode not in (0,):

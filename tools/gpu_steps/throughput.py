@@ -120,10 +120,11 @@ def body(args):
             labels = dict(spec=spec, dtype="fp32", ratio=round(x.numel() * 4 / nbytes, 3))
             e = measure("encode", x.numel() * 4 + nbytes, lambda: codec.encode(x), **labels)
             d = measure("decode", nbytes + x.numel() * 4, lambda: codec.decode(packed), **labels)
+            tag = {"zfp:rate=8,dims=3": "zfp", "mpc": "mpc", "zfp:rate=16,dims=1": "zfp_r16d1"}[spec]
             for r in (e, d):
                 if "gbps" in r:
-                    figures[f"{spec.split(':')[0]}_{r['op']}_gbps" + ("" if spec != "zfp:rate=16,dims=1" else "_r16d1")] = \
-                        r["gbps"]
+                    figures[f"{tag}_{r['op']}_gbps"] = r["gbps"]
+                    figures[f"{tag}_{r['op']}_x_copy"] = r["x_copy"]
         except Exception as exc:  # noqa: BLE001
             rows.append(dict(op="encode/decode", spec=spec, status="fail", detail=f"{type(exc).__name__}: {exc}"[:800]))
     try:
