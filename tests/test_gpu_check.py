@@ -142,7 +142,7 @@ def test_cli_dry_run_with_a_failing_and_a_hanging_step(tmp_path):
     assert validate_report(report) == []
     names = [s["name"] for s in report["steps"]]
     assert names == ["kit", "env", "fake_fail", "fake_hang", "fake_pass", "build", "kernels", "throughput",
-                     "sanitizer", "comm_cuda", "pretrain_gpt", "megatron_lm"]
+                     "comm_cuda", "pretrain_gpt", "megatron_lm", "sanitizer"]
     by = {s["name"]: s for s in report["steps"]}
     assert by["fake_fail"]["status"] == "fail" and by["fake_fail"]["exit_code"] == 3
     assert "the fake step failed" in by["fake_fail"]["tail"]
@@ -153,7 +153,7 @@ def test_cli_dry_run_with_a_failing_and_a_hanging_step(tmp_path):
         assert by[name]["status"] == "skipped" and by[name]["detail"].startswith("dry run: would run"), name
     assert report["mode"] == {"quick": False, "dry_run": True, "budget_s": 900.0}
     md = (out / "gpu_report.md").read_text()
-    assert "| fake_fail | FAIL |" in md and "| fake_hang | TIMEOUT |" in md and "| megatron_lm | skipped |" in md
+    assert "| fake_fail | FAIL |" in md and "| fake_hang | TIMEOUT |" in md and "| sanitizer | skipped |" in md
 
 
 def test_cli_rejects_unknown_steps_and_lists_the_table():
