@@ -265,3 +265,23 @@ def test_kit_step_installs_offline_and_never_torch(tmp_path):
     result = json.loads((tmp_path / "out2" / "kit.json").read_text())
     assert proc.returncode == 1 and result["status"] == "fail" and "refusing to empty it" in result["detail"]
     assert (foreign / "keep.txt").read_text() == "mine"
+
+
+def test_build_step_picks_torchs_cuda_major_and_shims_a_pip_cuda_tree(tmp_path):
+    """The build step's choices, which need no GPU: nvcc of torch's CUDA major version (another major
+    is a clear failure naming what was found), and a CUDA_HOME with lib64/libcudart.so over a pip
+    CUDA tree (nvidia/cu13 has lib/libcudart.so.13 only; the link step needs the unversioned name)."""
+    from _common import StepOutcome
+    from build import choose_nvcc, cuda_home_for
+    from env import find_tools
+
+    if not find_tools("nvcc") or torch.version.cuda is None:
+        pytest.skip("no nvcc here (pip install -e '.[cuda-compile]')")
+    nvcc, version, found = choose_nvcc(torch.version.cuda)
+    assert version.split(".")[0] == torch.version.cuda.split(".")[0] and nvcc.exists()
+    with pytest.raises(StepOutcome) as info:
+        choose_nvcc("99.0")
+    assert info.value.status == "fail" and "no nvcc for CUDA 99.x" in info.value.detail and str(nvcc) in info.value.detail
+    home = cuda_home_for(nvcc, tmp_path)
+    assert (home / "bin" / "nvcc").exists() and (home / "include" / "cuda_runtime.h").exists()
+    assert (home / "lib64" / "libcudart.so").exists() or (home / "lib" / "libcudart.so").exists()
