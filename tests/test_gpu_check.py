@@ -238,7 +238,7 @@ def test_kit_step_installs_offline_and_never_torch(tmp_path):
     kit.mkdir()
     _wheel(kit, "zpp_kit_probe", "1.0")
     (kit / "requirements.txt").write_text("zpp_kit_probe==1.0\ntorch==2.11.0\nnvidia-nccl-cu13==2.0\n"
-                                          "megatron_zpp==0.1.0\nnumpy==1.0.0  # the image's numpy is kept\n")
+                                          "megatron_zpp==0.1.0\nnumpy>=1.0  # the image's numpy is kept\n")
     site = tmp_path / "out" / "site"
     # the import check after the install: the probe module (not megatron.core etc., slow to import here)
     env = dict(os.environ, ZPP_GPU_CHECK_KIT=str(kit), ZPP_GPU_CHECK_SITE=str(site), PYTHONPATH=str(ROOT),
@@ -285,3 +285,18 @@ def test_build_step_picks_torchs_cuda_major_and_shims_a_pip_cuda_tree(tmp_path):
     home = cuda_home_for(nvcc, tmp_path)
     assert (home / "bin" / "nvcc").exists() and (home / "include" / "cuda_runtime.h").exists()
     assert (home / "lib64" / "libcudart.so").exists() or (home / "lib" / "libcudart.so").exists()
+
+
+def test_kit_requirement_parsing():
+    """Names from requirement lines and file names; the image's copy is kept only when it satisfies
+    the line (else the kit's is installed)."""
+    from kit import NEVER, requirement_name, satisfies
+
+    assert requirement_name("megatron-core>=0.16,<0.20") == "megatron-core"
+    assert requirement_name("Megatron_Core[dev] ; python_version>'3'") == "megatron-core"
+    assert requirement_name("zfpy-1.0.1-cp312-cp312-manylinux_2_17_x86_64.whl") == "zfpy"
+    assert requirement_name("megatron_zpp-0.1.0.tar.gz") == "megatron-zpp"
+    assert satisfies("numpy>=1.26", "2.1.0") and not satisfies("numpy>=1.26", "1.24.4")
+    assert satisfies("ninja", "1.11.1") and satisfies("zfpy-1.0.1-cp312-cp312-manylinux_2_17_x86_64.whl", "0.5")
+    assert all(NEVER.match(n) for n in ("torch", "triton", "nvidia-nccl-cu13", "nvidia-cudnn-cu12"))
+    assert not any(NEVER.match(n) for n in ("megatron-core", "einops", "torchmetrics"))

@@ -156,13 +156,21 @@ def run_step(step: Step, out: Path, quick: bool, limit: float, env: dict) -> dic
     t0 = time.perf_counter()
     print(f"== {step.name}: {step.what} (limit {limit:.0f} s)", flush=True)
     with open(log, "wb") as sink:
-        proc = subprocess.Popen(argv, cwd=REPO, env=step_env, stdout=sink, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            proc = subprocess.Popen(argv, cwd=REPO, env=step_env, stdout=sink, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:
+            record.update(status="fail", wall_s=round(time.perf_counter() - t0, 2), tail="",
+                          detail=f"could not start {argv[0]}: {exc}")
+            return record
         try:
             proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
             record["timed_out"] = True
             kill_group(proc)
+        except KeyboardInterrupt:  # its own session does not get the terminal's Ctrl-C: end it too
+            kill_group(proc)
+            raise
         else:
             try:  # the step is done; helpers it left behind in its group are not
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -177,6 +185,9 @@ def run_step(step: Step, out: Path, quick: bool, limit: float, env: dict) -> dic
             result = json.loads(result_path.read_text())
         except json.JSONDecodeError as exc:
             record["detail"] = f"unreadable {result_path.name}: {exc}"
+    if result is not None and not isinstance(result, dict):
+        record["detail"] = f"{result_path.name} holds a {type(result).__name__}, not an object"
+        result = None
     if result is not None:
         record.update(figures=result.get("figures") or {}, rows=result.get("rows") or [],
                       detail=str(result.get("detail", "")))

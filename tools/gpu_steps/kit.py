@@ -4,7 +4,8 @@
 
 ``--no-deps`` and the filter below keep the image's torch (and its CUDA libraries) untouched:
 requirements naming torch, triton or an ``nvidia-*`` package are refused, and a package the image
-already has is kept, not shadowed (``ZPP_GPU_CHECK_KIT_FORCE=1`` installs those too). megatron_zpp
+already has in a version the requirement accepts is kept, not shadowed (``ZPP_GPU_CHECK_KIT_FORCE=1``
+installs those too). megatron_zpp
 itself is not installed from the kit: the check runs the repository's copy, whose CUDA extension
 the ``build`` step compiles. The orchestrator puts SITE on every later step's PYTHONPATH.
 
@@ -58,6 +59,19 @@ def read_requirements(kit: Path) -> tuple[Path | None, list[str]]:
             lines = [ln.split("#", 1)[0].strip() for ln in path.read_text().splitlines()]
             return path, [ln for ln in lines if ln and not ln.startswith("-")]
     return None, sorted(str(p) for p in kit.glob("*.whl"))
+
+
+def satisfies(requirement: str, version: str) -> bool:
+    """Whether an installed ``version`` meets the requirement line's specifier (True without one, or
+    when ``packaging`` is missing: then the image's copy is kept, as for a bare name)."""
+    try:
+        from packaging.requirements import InvalidRequirement, Requirement
+    except ImportError:
+        return True
+    try:
+        return Requirement(requirement).specifier.contains(version, prereleases=True)
+    except InvalidRequirement:  # a file name, not a requirement
+        return True
 
 
 def installed_version(name: str) -> str | None:
@@ -116,7 +130,7 @@ def body(args):
             action = "refused (the image's torch and CUDA libraries stay)"
         elif name == "megatron-zpp":
             action = "not installed (the repository's copy is used; the build step compiles its CUDA kernels)"
-        elif have is not None and not force:
+        elif have is not None and not force and satisfies(req, have):
             action = f"kept the image's {have}"
         else:
             action = "install"
