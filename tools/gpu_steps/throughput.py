@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
 
 from _common import StepOutcome, parser, require_cuda, run_step
 
@@ -25,48 +26,60 @@ GOAL = 0.8
 BLOCK = {8: 256, 4: 128}
 
 
-def median_ms(fn, copy_fn, repeats: int, inner: int) -> tuple[float, float]:
-    """Median milliseconds of one ``fn()`` and of one ``copy_fn()``, CUDA events, interleaved."""
+def median_ms(fn, copy_fn, repeats: int, inner: int, cuda: bool = True) -> tuple[float, float]:
+    """Median milliseconds of one ``fn()`` and of one ``copy_fn()``, CUDA events, interleaved
+    (``cuda=False``: the wall clock, for the CPU self-check of this script)."""
     import torch
 
     for _ in range(2):  # warm-up: allocator, first-launch costs, clocks up
         fn()
         copy_fn()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     op_ms, copy_ms = [], []
     for _ in range(repeats):
         for f, store in ((fn, op_ms), (copy_fn, copy_ms)):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            else:
+                t0 = time.perf_counter()
             for _ in range(inner):
                 f()
-            end.record()
-            end.synchronize()
-            store.append(start.elapsed_time(end) / inner)
+            if cuda:
+                end.record()
+                end.synchronize()
+                store.append(start.elapsed_time(end) / inner)
+            else:
+                store.append((time.perf_counter() - t0) * 1e3 / inner)
     return statistics.median(op_ms), statistics.median(copy_ms)
 
 
 def body(args):
-    require_cuda("measuring GPU throughput")
+    if args.device == "cuda":
+        require_cuda("measuring GPU throughput")
     import torch
 
     from megatron_zpp.compression import get_codec, layout, ops
 
-    dev = torch.device("cuda")
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
     if not ops.kernels_available(dev):
-        raise StepOutcome("fail", f"no CUDA kernels: {ops._why_unavailable(dev)} (did the build step pass?)")
+        raise StepOutcome("fail", f"no {dev} kernels: {ops._why_unavailable(dev)} (did the build step pass?)")
     numel = (1 << 25) if args.quick else (1 << 27)  # 128 MiB / 512 MiB of fp32: far past the L2 cache
     repeats, inner = (5, 3) if args.quick else (9, 5)
-    rows, figures = [], {"device": torch.cuda.get_device_name(dev), "numel": numel, "repeats": repeats,
-                         "inner": inner, "goal_x_copy": GOAL}
+    if not cuda:  # the CPU self-check: the script's logic, not a measurement worth reporting
+        numel, repeats, inner = 1 << 18, 3, 1
+    rows, figures = [], {"device": torch.cuda.get_device_name(dev) if cuda else "cpu (self-check)", "numel": numel,
+                         "repeats": repeats, "inner": inner, "goal_x_copy": GOAL}
 
     def measure(name: str, moved: int, fn, **labels):
         src = torch.empty(moved // 2, dtype=torch.uint8, device=dev)
         dst = torch.empty_like(src)
         try:
-            op_ms, copy_ms = median_ms(fn, lambda: dst.copy_(src), repeats, inner)
+            op_ms, copy_ms = median_ms(fn, lambda: dst.copy_(src), repeats, inner, cuda)
             row = dict(op=name, **labels, bytes_moved=moved, ms=round(op_ms, 4), copy_ms=round(copy_ms, 4),
-                       gbps=round(moved / op_ms / 1e6, 1), copy_gbps=round(moved / copy_ms / 1e6, 1),
+                       gbps=round(moved / op_ms / 1e6, 3), copy_gbps=round(moved / copy_ms / 1e6, 3),
                        x_copy=round(copy_ms / op_ms, 3), status="pass")
         except Exception as exc:  # noqa: BLE001
             row = dict(op=name, **labels, status="fail", detail=f"{type(exc).__name__}: {exc}"[:800])
@@ -109,7 +122,8 @@ def body(args):
                 del chunks, red, mean, rp
             del packed, out
         del x
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
 
     x = torch.randn(numel, device=dev)
     for spec in ("zfp:rate=8,dims=3", "mpc") + (() if args.quick else ("zfp:rate=16,dims=1",)):
@@ -128,6 +142,8 @@ def body(args):
         except Exception as exc:  # noqa: BLE001
             rows.append(dict(op="encode/decode", spec=spec, status="fail", detail=f"{type(exc).__name__}: {exc}"[:800]))
     try:
+        if not cuda:
+            raise ImportError("nvCOMP runs on CUDA tensors only")
         from nvidia import nvcomp  # noqa: F401
 
         codec = get_codec("nvcomp:algo=ans")
@@ -157,4 +173,7 @@ def body(args):
 
 
 if __name__ == "__main__":
-    sys.exit(run_step("throughput", body, parser("throughput", __doc__)))
+    ap = parser("throughput", __doc__)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cpu: a self-check of this script's logic on small CPU tensors (no figures to report)")
+    sys.exit(run_step("throughput", body, ap))
