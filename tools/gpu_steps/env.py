@@ -94,8 +94,12 @@ def probe() -> dict:
         raise StepOutcome("fail", f"torch cannot be imported ({exc}): the GPU check needs the image's CUDA torch",
                           figures=env)
     env.update(torch=torch.__version__, torch_cuda=torch.version.cuda, torch_file=torch.__file__,
-               cuda_available=torch.cuda.is_available(), device_count=torch.cuda.device_count(),
-               nccl=".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None)
+               cuda_available=torch.cuda.is_available(), device_count=torch.cuda.device_count())
+    try:  # a tuple in recent torch, an int in old ones
+        nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else None
+        env["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl
+    except Exception as exc:  # noqa: BLE001  (a probe reports, it does not fail on this)
+        env["nccl"] = f"unknown ({type(exc).__name__}: {exc})"
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         env.update(device=torch.cuda.get_device_name(0),
