@@ -300,3 +300,9 @@ def test_kit_requirement_parsing():
     assert satisfies("ninja", "1.11.1") and satisfies("zfpy-1.0.1-cp312-cp312-manylinux_2_17_x86_64.whl", "0.5")
     assert all(NEVER.match(n) for n in ("torch", "triton", "nvidia-nccl-cu13", "nvidia-cudnn-cu12"))
     assert not any(NEVER.match(n) for n in ("megatron-core", "einops", "torchmetrics"))
+
+
+def test_doc_path_names_the_date_and_the_gpu():
+    report = {"started": "2026-11-25T19:00:00+00:00", "environment": {"device": "NVIDIA H100 80GB HBM3"}}
+    assert gpu_check.doc_path(report) == ROOT / "docs" / "gpu" / "2026-11-25-nvidia-h100-80gb-hbm3.md"
+    assert gpu_check.doc_path({"started": "2026-11-25T19", "environment": {}}).name == "2026-11-25-no-gpu.md"

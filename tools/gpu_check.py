@@ -368,6 +368,13 @@ def render_md(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def doc_path(report: dict) -> Path:
+    """docs/gpu/<date>-<gpu>.md, e.g. docs/gpu/2026-11-25-nvidia-h100-80gb-hbm3.md."""
+    gpu = str(report["environment"].get("device") or "no-gpu").lower()
+    slug = "-".join("".join(c if c.isalnum() else " " for c in gpu).split())
+    return REPO / "docs" / "gpu" / f"{report['started'][:10]}-{slug}.md"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None, help="report folder (default out/gpu-check/<UTC time>)")
@@ -378,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds for the steps after setup (default 900, 300 with --quick; 0: no budget)")
     ap.add_argument("--list", action="store_true", help="print the step table and exit")
+    ap.add_argument("--save-doc", action="store_true",
+                    help="also copy the report to docs/gpu/<date>-<gpu>.md (the issue's record of a GPU run)")
     args = ap.parse_args(argv)
     steps = list(STEPS)
     fakes = os.environ.get("ZPP_GPU_CHECK_FAKE_STEPS")
@@ -397,6 +406,11 @@ def main(argv: list[str] | None = None) -> int:
     report = orchestrate(steps, out, quick=args.quick, budget_s=budget, kit=args.kit, dry_run=args.dry_run,
                          argv=sys.argv if argv is None else ["tools/gpu_check.py", *argv])
     print(f"\nreport: {out / 'gpu_report.md'} ({out / 'gpu_report.json'})")
+    if args.save_doc:
+        doc = doc_path(report)
+        doc.parent.mkdir(parents=True, exist_ok=True)
+        doc.write_text((out / "gpu_report.md").read_text())
+        print(f"copied to {doc.relative_to(REPO)}")
     for s in report["steps"]:
         print(f"  {s['name']:<14}{s['status']:<12}{s['wall_s']:>8.1f} s")
     return 0 if report["ok"] else 1
