@@ -92,7 +92,7 @@ def cuda_home_for(nvcc: Path, work: Path) -> Path:
     shim.mkdir(parents=True, exist_ok=True)
     for entry in root.iterdir():
         link = shim / entry.name
-        if entry.name not in ("lib", "lib64") and not link.exists():
+        if entry.name != "lib64" and not link.exists():  # lib too: nvcc.profile's -L$(TOP)/lib
             link.symlink_to(entry)
     lib64 = shim / "lib64"
     lib64.mkdir(exist_ok=True)
