@@ -75,3 +75,14 @@ cuda-build: $(STAMP)
 
 clean:
 	rm -rf build megatron_zpp/*.so $(STAMP)
+
+# The GPU check (tools/gpu_check.py) on a GPU machine without network: installs the offline kit
+# (make gpu-kit, copied here as .gpukit/) into the report folder with --no-deps, builds the CUDA
+# extension for this GPU against the image's torch, runs every check step with its own time limit and
+# writes gpu_report.md/.json to $(GPU_CHECK_OUT). No .venv: it uses the image's python3 and torch.
+# `make gpu-check ARGS=--quick` (<= 5 minutes after the build), ARGS=--dry-run (no GPU needed).
+GPU_PYTHON ?= python3
+GPU_CHECK_OUT ?= out/gpu-check/$(shell date -u +%Y%m%dT%H%M%SZ)
+.PHONY: gpu-check
+gpu-check:
+	$(GPU_PYTHON) tools/gpu_check.py --out $(GPU_CHECK_OUT) --kit .gpukit $(ARGS)
