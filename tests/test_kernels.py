@@ -145,6 +145,18 @@ def test_dequant_reduce_matches_reference_and_is_the_mean(chunks, rows, length, 
     assert torch.allclose(got.float(), expect.float(), rtol=torch.finfo(dtype).eps * chunks, atol=1e-30)
 
 
+@pytest.mark.parametrize("backend", ["kernel", "reference"])
+def test_reduce_ops_take_empty_rows(backend, kernel_device):
+    """Length 0: the reference once viewed an empty per-chunk slice, which starts at an odd byte, as fp32."""
+    chunks, rows = 3, 2
+    packed_in = torch.empty(chunks, rows, 0, dtype=torch.uint8, device=kernel_device)
+    out = torch.empty(0, dtype=torch.float32, device=kernel_device)
+    ops.dequant_reduce_(packed_in, out, 4, 128, 2.0, backend=backend)
+    packed_out = torch.empty(rows, 0, dtype=torch.uint8, device=kernel_device)
+    ops.dequant_reduce_quantize_(packed_in, packed_out, 0, 4, 128, 8, 64, False, SEED, backend=backend)
+    assert out.numel() == 0 and packed_out.numel() == 0
+
+
 def test_reduce_propagates_nan_from_one_chunk(kernel_device):
     chunks, length = 4, 512
     x = sample(chunks * length, torch.float32, kernel_device)

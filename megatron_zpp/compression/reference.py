@@ -103,6 +103,8 @@ def _quantize_matrix(x2: torch.Tensor, bits: int, block: int, stochastic: bool, 
 def _dequantize_matrix(packed: torch.Tensor, length: int, bits: int, block: int) -> torch.Tensor:
     """Decode packed ``uint8[R, row_bytes]`` rows of ``length`` elements to fp32 ``[R, length]``."""
     rows = packed.shape[0]
+    if length == 0:  # an empty slice of a larger tensor may start at any byte: nothing to view as fp32
+        return torch.zeros(rows, 0, dtype=torch.float32, device=packed.device)
     nb = layout.num_blocks(length, block)
     scale = packed[:, : 4 * nb].reshape(-1).view(torch.float32).view(rows, nb)
     nbytes = layout.ceil_div(length * bits, 8)
