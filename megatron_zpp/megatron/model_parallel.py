@@ -3,7 +3,7 @@
 Pipeline (``pp``): ``p2p_communication._batched_p2p_ops`` / ``_p2p_ops`` (looked up by
 ``P2PCommunicator`` at call time) are wrapped: sends are encoded, receives post payload buffers
 of the size the known shape implies (a variable-size codec sends its lengths first, one int64 per
-direction), and the returned requests decode into Megatron's receive tensors in ``wait()``. This covers every schedule, interleaved and overlapped p2p included,
+direction, read by the host once per p2p call that receives: no device-wide synchronize), and the returned requests decode into Megatron's receive tensors in ``wait()``. This covers every schedule, interleaved and overlapped p2p included,
 since they all wait on these requests before reading.
 
 Tensor (``tp``): the collectives of ``tensor_parallel.mappings`` (``_reduce`` all-reduce, the
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from megatron_zpp.comm import Topology, compressed_all_reduce, qgz_reduce_scatter, quantized_all_gather
 from megatron_zpp.comm.p2p import SIZE_MESSAGE_BYTES, DecodingRequest, P2PCodec, record_p2p
 from megatron_zpp.compression import get_codec
+from megatron_zpp.compression.host_read import HostRead
 
 PP_TAG, TP_TAG = "pp", "tp"
 
@@ -124,13 +125,21 @@ class ModelParallelHooks:
             reqs = p2p_ops(tensor_send_prev=size_sends.get("send_prev"), tensor_recv_prev=size_recvs.get("recv_prev"),
                            tensor_send_next=size_sends.get("send_next"), tensor_recv_next=size_recvs.get("recv_next"),
                            **where)
-            for req in (reqs.values() if isinstance(reqs, dict) else reqs):
-                req.wait()
-            if any(t.is_cuda for t in list(size_sends.values()) + list(size_recvs.values())):
-                # Two batch_isend_irecv back to back on one communicator: Megatron's _communicate_shapes
-                # synchronizes here against a known race; so do we (not run: no GPU here).
-                torch.cuda.synchronize()
-            return {key: int(t.item()) for key, t in size_recvs.items()}
+            works = list(reqs.values() if isinstance(reqs, dict) else reqs)
+            if not size_recvs:  # sends only: nothing to read; the payload ops queue behind these on the stream
+                for req in works:
+                    req.wait()
+                return {}
+            # The one host read of this p2p call: the receive buffers' sizes. It waits for the size
+            # messages only (their requests, then the current stream), not for the whole device.
+            # Megatron's own torch.cuda.synchronize() "against a race" in batch_isend_irecv runs in
+            # _communicate_shapes (variable_seq_lengths only) and after each p2p call when
+            # config.batch_p2p_sync is set (its default); the payload ops here are issued after the size
+            # ops completed on this rank (read below), so no two of our batches overlap.
+            keys = list(size_recvs)
+            # HostRead waits every request (sends too) before the read: on NCCL that orders streams only.
+            values = HostRead([torch.cat([size_recvs[k] for k in keys])], works).values()[0].tolist()
+            return dict(zip(keys, values))
 
         def batched(**kwargs):
             return encoded_call("_batched_p2p_ops", **kwargs)
