@@ -111,3 +111,23 @@ def test_deferred_validation_raises_what_eager_validation_raises():
             _, check = codec.decode_deferred(bad_packed)
             check.raise_if_invalid(check.record)
         assert str(deferred.value) == str(eager.value), (name, str(deferred.value), str(eager.value))
+
+
+def test_deferred_validation_keeps_a_decoder_error_behind_a_valid_container():
+    """A payload whose container is valid (checksum rewritten) but whose body the decoder refuses: the
+    deferred check raises the decoder's error, so nothing is swallowed."""
+    from megatron_zpp.compression import Packed, PayloadError, get_codec
+
+    codec = get_codec("mpc")
+    packed = codec.encode(torch.randn(3000))
+    bad = packed.payload.clone()
+    bad[container.header_bytes(2)] ^= 0xFF  # bitmap bits: the body no longer matches its size
+    container.write_checksum_(bad, container.checksum_tensor_reference(bad))
+    bad_packed = Packed(payload=bad, shape=packed.shape, dtype=packed.dtype)
+    with pytest.raises(PayloadError) as eager:
+        codec.decode(bad_packed)
+    out, check = codec.decode_deferred(bad_packed)
+    assert torch.isnan(out).all()
+    with pytest.raises(PayloadError) as deferred:
+        check.raise_if_invalid(check.record)
+    assert str(deferred.value) == str(eager.value)

@@ -269,6 +269,7 @@ class DeferredCheck:
     record: torch.Tensor
     buffer_bytes: int
     expect: dict
+    error: str | None = None  # the decoder refused the payload: raised if the container itself is valid
 
     def raise_if_invalid(self, record: torch.Tensor) -> Header:
         """Raise :class:`PayloadError` naming what is wrong, from ``record`` read to the host."""
@@ -287,7 +288,10 @@ class DeferredCheck:
                         raise
                 raise PayloadError(f"{what} is corrupt: its header names {num_sizes} body segments; "
                                    f"{self.expect['codec']} payloads have at most {CHECK_RECORD_SIZES}")
-        return _check_raw(raw, n, computed, self.expect)
+        header = _check_raw(raw, n, computed, self.expect)
+        if self.error is not None:
+            raise PayloadError(self.error)
+        return header
 
 
 def deferred_check(payload: torch.Tensor, computed_checksum: torch.Tensor, *, codec: str, dtype: torch.dtype,

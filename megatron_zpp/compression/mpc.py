@@ -9,6 +9,7 @@ Format, ratios and what has not run on a GPU: ``lossless.md`` beside this file.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -79,18 +80,18 @@ class MpcCodec(ContainerCodec):
         """``decode`` with the container's validation deferred (no host read: ``ContainerCodec``).
 
         The decode kernels stay inside the payload buffer whatever its bytes (they take its length), so a
-        corrupt payload decodes to garbage that the check then rejects. A kernel that refuses the payload
-        (the CPU kernels check the body) raises the check's own error when the header or checksum is bad."""
+        corrupt payload decodes to garbage that the check then rejects. Where a kernel refuses the payload
+        at once (the CPU kernels check the body), the output is NaN and the check raises later, as on a GPU:
+        the container's own error when its header or checksum is bad, else the kernel's."""
         payload = self._checked_payload(packed)
         payload = payload.contiguous()
         checksum = self._op("container_checksum", payload.device)(payload)
         check = container.deferred_check(payload, checksum, **self._expect(packed))
         try:
             return self._decode_body(payload, packed), check
-        except container.PayloadError:
-            if payload.device.type == "cpu":  # a record on the host already: no device sync
-                check.raise_if_invalid(check.record)
-            raise
+        except container.PayloadError as exc:
+            out = torch.full(packed.shape, float("nan"), dtype=packed.dtype, device=payload.device)
+            return out, dataclasses.replace(check, error=str(exc))
 
     def _expect(self, packed: Packed) -> dict:
         return dict(codec="mpc", dtype=packed.dtype, numel=packed.numel, param=self.dim, param_name="dim",
