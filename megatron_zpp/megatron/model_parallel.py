@@ -138,8 +138,9 @@ class ModelParallelHooks:
             # ops completed on this rank (read below), so no two of our batches overlap.
             keys = list(size_recvs)
             # HostRead waits every request (sends too) before the read: on NCCL that orders streams only.
-            values = HostRead([torch.cat([size_recvs[k] for k in keys])], works).values()[0].tolist()
-            return dict(zip(keys, values))
+            # (The tensors go in as they are: anything computed from them before the wait would read them early.)
+            values = HostRead([size_recvs[k] for k in keys], works).values()
+            return {k: int(v[0]) for k, v in zip(keys, values)}
 
         def batched(**kwargs):
             return encoded_call("_batched_p2p_ops", **kwargs)
