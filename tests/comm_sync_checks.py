@@ -201,3 +201,43 @@ def all_reduce_in_flight_worker() -> dict:
             compressed_all_reduce(ref, topo, codec="none")
             exact_lossless.append(torch.equal(t, ref))
     return {"equal": [torch.equal(a, b) for a, b in zip(sync, flying)], "exact_lossless": exact_lossless}
+
+
+def p2p_worker() -> dict:
+    """Megatron's pipeline p2p with a variable-size codec (mpc) through the installed hooks, batched and
+    not: received tensors bit-exact, and one host read per p2p call (lengths sent and received together)."""
+    from megatron.core.pipeline_parallel import p2p_communication as p2p
+
+    from megatron_zpp.megatron.model_parallel import ModelParallelHooks
+
+    rank = dist.get_rank()
+    other = 1 - rank
+    hooks = ModelParallelHooks("mpc", "none", None).install()
+    out = {}
+    try:
+        for name in ("_batched_p2p_ops", "_p2p_ops"):
+            for pattern in ("both ways", "one way"):
+                x = _data(40 + rank, rank, 1001).view(7, 143)
+                recv = torch.empty(7, 143)
+                none = dict(tensor_send_prev=None, tensor_recv_prev=None, tensor_send_next=None,
+                            tensor_recv_next=None)
+                if rank == 0:
+                    kwargs = {**none, "tensor_send_next": x}
+                    if pattern == "both ways":
+                        kwargs["tensor_recv_next"] = recv
+                else:
+                    kwargs = {**none, "tensor_recv_prev": recv}
+                    if pattern == "both ways":
+                        kwargs["tensor_send_prev"] = x
+                before = host_reads()
+                reqs = getattr(p2p, name)(group=dist.group.WORLD, prev_pipeline_rank=other,
+                                          next_pipeline_rank=other, **kwargs)
+                for r in (reqs.values() if isinstance(reqs, dict) else reqs):
+                    r.wait()
+                reads = host_reads() - before
+                received = rank == 1 or pattern == "both ways"
+                exact = torch.equal(recv, _data(40 + other, other, 1001).view(7, 143)) if received else None
+                out[(name, pattern)] = (reads, exact)
+    finally:
+        hooks.uninstall()
+    return out

@@ -131,3 +131,12 @@ def test_deferred_validation_keeps_a_decoder_error_behind_a_valid_container():
     with pytest.raises(PayloadError) as deferred:
         check.raise_if_invalid(check.record)
     assert str(deferred.value) == str(eager.value)
+
+
+def test_pipeline_p2p_variable_size_one_host_read_per_call():
+    results = run_distributed(checks.p2p_worker, 2, timeout_s=300)
+    for rank, r in enumerate(results):
+        for (name, pattern), (reads, exact) in r.items():
+            assert reads == 1, (rank, name, pattern, reads)
+            assert exact in (True, None) and (exact is True or (rank == 0 and pattern == "one way")), \
+                (rank, name, pattern, exact)

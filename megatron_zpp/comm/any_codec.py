@@ -33,10 +33,12 @@ really travel.
 Validation. A variable-size payload's container (header, sizes, checksum) is validated on the
 device where the codec allows (``ContainerCodec.decode_deferred``: mpc); the records of a hop's
 payloads come to the host in one read with the call's next host read (the next hop's sizes) or,
-for the last hop, at the topology's next progress point or ``wait()`` (``execution.InFlight``),
-so a corrupt payload raises :class:`~megatron_zpp.compression.PayloadError` naming the problem,
-at most one collective later. zstd (host payloads) and nvCOMP (its sizes are needed on the host)
-validate at decode.
+for the last hop, at the start of the topology's next collective or ``wait()``
+(``execution.InFlight.defer``), so a corrupt payload raises
+:class:`~megatron_zpp.compression.PayloadError` naming the problem, at most one collective later
+(before that collective issues anything), and the host never waits for a decode to finish.
+A bad hop-1 payload (two hops) raises within the same call, at its hop-2 step. zstd (host
+payloads) and nvCOMP (its sizes are needed on the host) validate at decode.
 
 NaN/Inf: ZFP decodes a block holding NaN or Inf to NaN and lossless codecs return the input
 exactly, so a non-finite gradient stays non-finite through the sum and Megatron's found-inf
@@ -89,7 +91,7 @@ class _Checks:
 
     def __init__(self) -> None:
         self.pending: list[DeferredCheck] = []  # decoded, not yet on their way to the host
-        self.reading: list[tuple[list[DeferredCheck], HostRead]] = []
+        self.reading: list[tuple[list[DeferredCheck], HostRead, int]] = []
 
     def records(self) -> list[torch.Tensor]:
         """Take the pending checks' records into the next host read (call :meth:`sent` with it)."""
