@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_zpp.comm import Topology, comm_stats, compressed_all_reduce, qgz_reduce_scatter, quantized_all_gather
-from megatron_zpp.comm.any_codec import _SIZE_BYTES
+from megatron_zpp.comm.any_codec import _SIZE_BYTES, slot_bytes
 from megatron_zpp.compression import get_codec
 
 LOSSLESS = ("mpc", "zstd:level=1")
@@ -158,6 +158,9 @@ def bytes_worker(length: int) -> dict:
         quantized_all_gather(full, shard, topo, codec=spec, tag="m")
         s = stats.get("m")
         biggest = max(payload_len(spec, inputs[r][:length]) for r in range(size))
+        if not fixed:  # variable-size payloads travel in 16-byte slots (any_codec.py: alignment)
+            biggest = -(-biggest // 16) * 16
+            assert slot_bytes(biggest) == biggest
         result[(spec, "ag")] = (s.intra_bytes + s.inter_bytes,
                                 (size - 1) * (biggest + (0 if fixed else _SIZE_BYTES)))
         stats.reset()

@@ -5,9 +5,13 @@ a shard, then an all-gather of the reduced shards with the same codec, in place.
 decodes every shard, its own included, so replicas stay bit-identical. Any length (padded
 internally); cross-node bytes are qgZ's plus the quantized gather's.
 
-With ``async_op=True`` the reduce-scatter is in flight on return and ``wait()`` runs the
-gather: Megatron waits on its gradient all-reduce at the end of the backward pass, where the
-second half then runs.
+One collective under the execution model (``execution.py``), on the topology's gather stream:
+the first step launches the reduce-scatter; a middle step, issued at the progress point after the
+reduce-scatter's own last step, finishes it and launches the all-gather of the reduced shard; the
+handle's ``wait()`` only finishes the gather (decode, copy back). With ``async_op=True`` both
+halves overlap what the caller does between the call and ``wait()`` (Megatron waits on its
+gradient all-reduces at the end of the backward pass), and several all-reduces in flight each
+progress at every later collective on the topology.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from megatron_zpp.compression import Codec, layout
-from megatron_zpp.comm._common import CommHandle, check_float
+from megatron_zpp.comm._common import check_float
+from megatron_zpp.comm.execution import comm_stream, launch
 from megatron_zpp.comm.all_gather import quantized_all_gather
 from megatron_zpp.comm.reduce_scatter import qgz_reduce_scatter
 from megatron_zpp.comm.topology import Topology
@@ -55,22 +60,31 @@ def compressed_all_reduce(tensor: torch.Tensor, topology: Topology, codec: str |
         padded_residual[numel:].zero_()
         padded_residual[:numel].copy_(residual.view(-1))
     shard = scratch.take(max(chunk, 1) * elt).view(tensor.dtype)[:chunk]
-    rs = qgz_reduce_scatter(shard, padded, topology, codec=codec, op=op, async_op=True, tag=tag,
-                            intra_codec=intra_codec, stages=stages, residual=padded_residual)
+    groups = topology._groups
+    stream = comm_stream(tensor.device, "gather", groups.streams)
+    state: dict = {}
 
-    def finish() -> None:
-        rs.wait()  # orders the caller's stream after hop 1, which wrote the residual
-        if padded_residual is not residual:
-            residual.view(-1).copy_(padded_residual[:numel])
-        # The reduce-scatter read `padded` before writing `shard`, so it can receive the gather.
-        quantized_all_gather(padded, shard, topology, codec=codec, tag=tag)
-        if padded.data_ptr() != flat.data_ptr():
-            if padded.is_cuda:  # read on the waiting stream, allocated on the calling one
-                padded.record_stream(torch.cuda.current_stream(padded.device))
-            flat.copy_(padded[:numel])
-        scratch.release()
+    def first():
+        rs = qgz_reduce_scatter(shard, padded, topology, codec=codec, op=op, async_op=True, tag=tag,
+                                intra_codec=intra_codec, stages=stages, residual=padded_residual)
+        state["rs"] = rs
 
-    if async_op:
-        return CommHandle(finish)
-    finish()
-    return None
+        def idle() -> None:  # the reduce-scatter issues one of its own steps at this point
+            pass
+
+        def gather() -> None:
+            state.pop("rs").wait()  # this (gather) stream waits for the reduce-scatter, which wrote the residual
+            if padded_residual is not residual:
+                residual.view(-1).copy_(padded_residual[:numel])
+            # The reduce-scatter read `padded` before writing `shard`, so it can receive the gather.
+            state["ag"] = quantized_all_gather(padded, shard, topology, codec=codec, tag=tag, async_op=True)
+
+        def finish() -> None:
+            state.pop("ag").wait()
+            if padded.data_ptr() != flat.data_ptr():
+                flat.copy_(padded[:numel])
+            scratch.release()
+        return [idle] * rs.steps_left() + [gather], finish
+
+    used = tuple(t for t in (tensor, padded, shard, residual, padded_residual) if t is not None)
+    return launch(groups.in_flight, stream, used, first, async_op)

@@ -2,16 +2,24 @@
 on a dedicated comm stream ordered with the caller's by CUDA events.
 
 A collective is a first step (encode, issue the first hop), zero or more middle steps (wait the
-previous hop, re-encode, issue the next hop: qgZ's inter-node hop) and a finish (wait the last
-hop, decode into the output). One path for every backend:
+previous hop, re-encode, issue the next hop: qgZ's inter-node hop; with a variable-size codec also
+"read the exchanged sizes, issue the payloads"; the all-reduce's gather half) and a finish (wait
+the last hop, decode into the output). One path for every backend:
 
 - The first step runs at the call, on the comm stream, after that stream has waited for the
-  caller's current stream (the input is ready).
-- Middle steps wait in this topology's FIFO and run at the next *progress point*: the start of the
-  next collective on the same topology, or ``wait()`` of this or a later handle, oldest first.
-  Progress points are the same calls on every rank (SPMD), so every collective is issued at the
+  caller's current stream (the input is ready). It runs *before* anything else the call does, so
+  a new collective's first hop is never queued behind older calls' waits (no head-of-line
+  blocking: several first hops can be in flight per topology).
+- Middle steps wait in this topology's FIFO. A *progress point* issues the next middle step of
+  every queued call, oldest first: the start of the next collective on the same topology (after
+  that collective's first step). ``wait()`` of a handle issues every remaining step of the calls
+  queued before it and of its own, oldest first. Progress points are the same calls on every rank
+  (SPMD) and each advances each call by exactly one step, so every collective is issued at the
   same place in every rank's sequence, whatever the host timing: no thread ever issues a
   collective, and NCCL sees the same order on all ranks.
+- A step that needs device values on the host (a variable-size payload's lengths) reads them
+  through ``compression.host_read.HostRead``, started by the step before: the value has had the
+  time between two progress points to arrive, so the host rarely waits for it.
 - ``finish`` runs at ``wait()`` on the comm stream; the caller's current stream then waits for the
   call's done event. With NCCL nothing here blocks the host (``work.wait()`` orders streams); with
   gloo ``work.wait()`` blocks, which is why hop 2 is not waited at the call. Deferring the middle
@@ -89,25 +97,54 @@ class _Call:
     def __init__(self, middles: list[Step], finish: Step, stream) -> None:
         self.middles, self.finish, self.stream = deque(middles), finish, stream
 
-    def issue_middles(self) -> None:
-        with on_stream(self.stream):
-            while self.middles:
+    def step(self, in_flight: InFlight) -> None:
+        in_flight._depth += 1
+        try:
+            with on_stream(self.stream):
                 self.middles.popleft()()
+        finally:
+            in_flight._depth -= 1
 
 
 class InFlight:
-    """The calls of one topology whose later hops are not issued yet, oldest first."""
+    """The calls of one topology whose middle steps are not all issued yet, oldest first."""
 
     def __init__(self) -> None:
         self._queue: deque[_Call] = deque()
+        self._deferred: list[Callable[[], None]] = []
+        self._depth = 0  # > 0 inside a first or middle step: a collective launched there is no progress point
 
-    def progress(self, until: _Call | None = None) -> None:
-        """Issue the pending hops of every queued call, oldest first (up to ``until`` included)."""
-        while self._queue:
-            call = self._queue.popleft()
-            call.issue_middles()
-            if call is until:
-                return
+    def defer(self, check: Callable[[], None]) -> None:
+        """Run ``check`` (a finished call's deferred validation, which may raise) at the start of the next
+        collective or ``wait()`` on this topology, when its host read has had time to arrive."""
+        self._deferred.append(check)
+
+    def _run_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for check in deferred:
+            check()
+
+    def progress(self, calls: list[_Call] | None = None) -> None:
+        """A progress point: issue the next middle step of every queued call (of ``calls``, a snapshot of
+        the queue, when given), oldest first.
+
+        Calls queued while this runs (a step that launches a collective) wait for the next point."""
+        self._run_deferred()
+        for call in list(self._queue) if calls is None else calls:
+            if call.middles:
+                call.step(self)
+            if not call.middles and call in self._queue:
+                self._queue.remove(call)
+
+    def drain(self, until: _Call) -> None:
+        """Issue every pending step of every call queued before ``until``, and of ``until``, oldest first."""
+        self._run_deferred()
+        while until in self._queue:
+            call = self._queue[0]
+            while call.middles:
+                call.step(self)
+            if call in self._queue:
+                self._queue.remove(call)
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -118,8 +155,11 @@ class CommHandle:
     pending, decodes into the output and makes the caller's current stream wait for it. The output
     must not be read before it. Waiting twice is a no-op."""
 
-    def __init__(self, finish: Callable[[], None]) -> None:
+    def __init__(self, finish: Callable[[], None], steps_left: Callable[[], int] = lambda: 0) -> None:
         self._finish: Callable[[], None] | None = finish
+        self.steps_left = steps_left
+        """Middle steps not issued yet (the same on every rank): a composite collective (the all-reduce)
+        schedules its next part after them."""
 
     def wait(self) -> bool:
         if self._finish is not None:
@@ -138,16 +178,28 @@ def launch(in_flight: InFlight, stream, tensors: tuple[torch.Tensor, ...],
     ``first()`` runs the first step (encode, issue hop 1) and returns ``(middles, finish)``.
     ``tensors``: the caller's input and output, used on ``stream``.
     """
-    in_flight.progress()  # earlier calls' pending hops go first, on every rank
-    with on_stream(stream, tensors, after_caller=True):
-        middles, finish = first()
+    older = list(in_flight._queue)  # the calls this launch is a progress point for
+    if in_flight._depth == 0:
+        # Earlier calls' deferred validations (their host reads have had a call's time): a corrupt payload
+        # raises here, before this call issues anything, so every rank that received it stops at one place.
+        in_flight._run_deferred()
+    in_flight._depth += 1
+    try:
+        with on_stream(stream, tensors, after_caller=True):
+            middles, finish = first()
+    finally:
+        in_flight._depth -= 1
+    # The new call's first hop goes before older calls' next steps (no head-of-line blocking behind
+    # their waits), then this is a progress point for them; same order on every rank. A collective
+    # launched from inside a step (the all-reduce's gather) is not one: its caller's point is.
+    if in_flight._depth == 0:
+        in_flight.progress(older)
     call = _Call(middles, finish, stream)
     if call.middles:
         in_flight._queue.append(call)
 
     def complete() -> None:
-        if call.middles:
-            in_flight.progress(until=call)
+        in_flight.drain(until=call)
         with on_stream(stream):
             call.finish()
         if stream is not None:
@@ -155,7 +207,7 @@ def launch(in_flight: InFlight, stream, tensors: tuple[torch.Tensor, ...],
             done.record(stream)
             torch.cuda.current_stream(stream.device).wait_event(done)
 
-    handle = CommHandle(complete)
+    handle = CommHandle(complete, steps_left=lambda: len(call.middles))
     if async_op:
         return handle
     handle.wait()

@@ -67,9 +67,9 @@ def qgz_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topo
         topology: the group and its node layout.
         codec: codec of the inter-node hop (and of the intra-node hop unless ``intra_codec``).
         op: ``"mean"`` or ``"sum"``; accumulation is fp32 whatever the input dtype.
-        async_op: return a :class:`CommHandle`. Hop 1 is issued at the call; hop 2 is enqueued at
-            the call too with NCCL, or issued at the next progress point with gloo (see
-            ``execution.py``); ``wait()`` delivers ``output``.
+        async_op: return a :class:`CommHandle`. Hop 1 is issued at the call; hop 2 at the next
+            progress point (the next collective on the topology) or ``wait()``, whichever comes
+            first (``execution.py``); ``wait()`` delivers ``output``.
         tag: byte-accounting tag.
         intra_codec: codec of the intra-node hop, e.g. INT8 inside the node and INT4 across.
         stages: pipeline stages (Algorithm 2); each chunk is split into this many slices.

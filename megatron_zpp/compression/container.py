@@ -12,7 +12,8 @@ Layout (all integers little-endian; format and rationale in ``lossless.md``)::
     16      8      payload bytes    the true length of the whole payload, header included
     24      4      num_sizes S      entries of the sizes table
     28      4      checksum         see :func:`checksum_reference`
-    32      4*S    sizes            byte length of each body segment, in order
+    32      4*S    sizes            byte length of each body segment, in order (uint32: a segment
+                                    holds at most MAX_SEGMENT_BYTES; encoders refuse larger ones)
     32+4S   ...    body             the segments, back to back; sum(sizes) bytes
 
 A payload buffer may be longer than ``payload bytes`` (a preallocated worst-case
@@ -55,6 +56,9 @@ CHECKSUM_OFFSET = 28
 CHECKSUM_WORD = CHECKSUM_OFFSET // 4
 GOLDEN32 = 0x9E3779B9
 
+MAX_SEGMENT_BYTES = 0xFFFFFFFF  # a sizes-table entry is a uint32
+CHECK_RECORD_SIZES = 8  # sizes a deferred check carries: all mpc/nvcomp payloads need (zstd validates eagerly)
+
 CODEC_IDS = {"mpc": 1, "zstd": 2, "nvcomp": 3}
 CODEC_NAMES = {v: k for k, v in CODEC_IDS.items()}
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
@@ -88,9 +92,20 @@ def header_bytes(num_sizes: int) -> int:
     return HEADER_BYTES + 4 * num_sizes
 
 
+def check_segment_sizes(sizes, what: str = "payload") -> None:
+    """Refuse body segments the uint32 sizes table cannot hold, naming the size and the limit
+    (encoders call it before any kernel runs, with their worst-case segment sizes)."""
+    for i, n in enumerate(sizes):
+        if n > MAX_SEGMENT_BYTES:
+            raise ValueError(f"{what}: body segment {i} would hold {n} bytes ({n / 2**30:.2f} GiB); the container's "
+                             f"sizes table holds at most {MAX_SEGMENT_BYTES} bytes (4 GiB - 1) per segment: "
+                             "split the tensor into smaller ones")
+
+
 def pack_header(codec: str, dtype: torch.dtype, param: int, numel: int, sizes: list[int] | tuple[int, ...],
                 checksum: int = 0) -> bytes:
     """Header plus sizes table as bytes (``payload bytes`` computed from the sizes)."""
+    check_segment_sizes(sizes, f"{codec} payload")
     payload_bytes = header_bytes(len(sizes)) + sum(sizes)
     head = _HEADER.pack(MAGIC, VERSION, CODEC_IDS[codec], DTYPE_CODES[dtype], param, numel, payload_bytes,
                         len(sizes), checksum)
@@ -208,14 +223,14 @@ def validate(payload: torch.Tensor, computed_checksum: torch.Tensor | int | None
     Order: structure (truncation, magic, version, ids, size fields), then the checksum (so a flipped bit
     reads as corruption), then whether it is the expected codec/dtype/numel/parameter. On CUDA the header
     and the device-computed checksum come to the host in one small copy: a single sync, no payload bytes.
+    The collectives defer this read instead (:func:`deferred_check`).
     """
-    if payload.dtype != torch.uint8 or payload.dim() != 1:
-        raise PayloadError(f"{what} must be a 1-D uint8 tensor, got {payload.dtype} of shape {tuple(payload.shape)}")
+    _check_flat(payload, what)
     n = payload.numel()
     if computed_checksum is None:
         computed_checksum = checksum_tensor_reference(payload)
     # The fixed header and up to 8 sizes (all mpc/nvcomp need) plus the checksum in one device->host copy.
-    head = payload[: min(n, header_bytes(8))]
+    head = payload[: min(n, header_bytes(CHECK_RECORD_SIZES))]
     if isinstance(computed_checksum, torch.Tensor):
         both = torch.cat([computed_checksum.reshape(1).to(torch.int64).view(torch.uint8), head]).cpu()
         raw, computed = both[8:].numpy().tobytes(), int(both[:8].view(torch.int64).item())
@@ -225,10 +240,72 @@ def validate(payload: torch.Tensor, computed_checksum: torch.Tensor | int | None
         prefix = header_bytes(struct.unpack_from("<I", raw, 24)[0])
         if len(raw) < prefix <= n:  # a long sizes table (zstd): a second read
             raw = payload[:prefix].cpu().numpy().tobytes()
-    header = read_header(raw, n, what=what)
-    check_checksum(header, computed, what=what)
-    check_expected(header, codec=codec, dtype=dtype, numel=numel, param=param, param_name=param_name, what=what)
+    return _check_raw(raw, n, computed, dict(codec=codec, dtype=dtype, numel=numel, param=param,
+                                             param_name=param_name, what=what))
+
+
+def _check_flat(payload: torch.Tensor, what: str) -> None:
+    if payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise PayloadError(f"{what} must be a 1-D uint8 tensor, got {payload.dtype} of shape {tuple(payload.shape)}")
+
+
+def _check_raw(raw: bytes, n: int, computed: int, expect: dict) -> Header:
+    header = read_header(raw, n, what=expect["what"])
+    check_checksum(header, computed, what=expect["what"])
+    check_expected(header, **expect)
     return header
+
+
+_RECORD_BYTES = 8 + header_bytes(CHECK_RECORD_SIZES)  # the checksum (int64), then the header bytes
+
+
+@dataclass(frozen=True)
+class DeferredCheck:
+    """A payload's validation with its host read deferred: ``record`` (on the payload's device, no sync)
+    holds the device-computed checksum and the header bytes; :meth:`raise_if_invalid` runs the checks of
+    :func:`validate` on that record, once it is on the host (a collective reads every record of a hop in
+    one :class:`~megatron_zpp.compression.host_read.HostRead`)."""
+
+    record: torch.Tensor
+    buffer_bytes: int
+    expect: dict
+    error: str | None = None  # the decoder refused the payload: raised if the container itself is valid
+
+    def raise_if_invalid(self, record: torch.Tensor) -> Header:
+        """Raise :class:`PayloadError` naming what is wrong, from ``record`` read to the host."""
+        raw = record.numpy().tobytes()
+        computed, raw = int.from_bytes(raw[:8], "little", signed=True), raw[8: 8 + min(self.buffer_bytes,
+                                                                                        _RECORD_BYTES - 8)]
+        n, what = self.buffer_bytes, self.expect["what"]
+        if n >= HEADER_BYTES:
+            num_sizes = struct.unpack_from("<I", raw, 24)[0]
+            if len(raw) < header_bytes(num_sizes) <= n:
+                # The fixed header's fields first, as validate(): a corrupt field reads as what it is.
+                try:
+                    read_header(raw, n, what=what)
+                except PayloadError as exc:
+                    if "sizes table not supplied" not in str(exc):
+                        raise
+                raise PayloadError(f"{what} is corrupt: its header names {num_sizes} body segments; "
+                                   f"{self.expect['codec']} payloads have at most {CHECK_RECORD_SIZES}")
+        header = _check_raw(raw, n, computed, self.expect)
+        if self.error is not None:
+            raise PayloadError(self.error)
+        return header
+
+
+def deferred_check(payload: torch.Tensor, computed_checksum: torch.Tensor, *, codec: str, dtype: torch.dtype,
+                   numel: int, param: int | None = None, param_name: str = "parameter",
+                   what: str = "payload") -> DeferredCheck:
+    """:func:`validate` of ``payload`` without reading anything to the host now (see :class:`DeferredCheck`)."""
+    _check_flat(payload, what)
+    n = payload.numel()
+    record = torch.zeros(_RECORD_BYTES, dtype=torch.uint8, device=payload.device)
+    record[:8] = computed_checksum.reshape(1).to(torch.int64).view(torch.uint8)
+    k = min(n, _RECORD_BYTES - 8)
+    record[8: 8 + k] = payload[:k]
+    return DeferredCheck(record, n, dict(codec=codec, dtype=dtype, numel=numel, param=param,
+                                         param_name=param_name, what=what))
 
 
 class ContainerCodec(Codec):
@@ -246,6 +323,12 @@ class ContainerCodec(Codec):
             raise PayloadError(f"{self.spec}: payload must be a 1-D uint8 tensor, got {payload.dtype} "
                                f"of shape {tuple(payload.shape)}")
         return payload
+
+    def decode_deferred(self, packed: Packed) -> tuple[torch.Tensor, DeferredCheck | None]:
+        """``decode``, with the validation's host read deferred where the codec can (``mpc``): returns the
+        output and a :class:`DeferredCheck` to run once its record is on the host, or ``None`` when the
+        codec validated already (``zstd`` runs on the host; ``nvcomp`` needs the sizes on the host)."""
+        return self.decode(packed), None
 
     def payload_nbytes(self, packed: Packed) -> int:
         raw = packed.payload[:HEADER_BYTES].cpu().numpy().tobytes()

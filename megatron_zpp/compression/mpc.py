@@ -9,6 +9,7 @@ Format, ratios and what has not run on a GPU: ``lossless.md`` beside this file.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,7 @@ class MpcCodec(ContainerCodec):
 
     def encode(self, x: torch.Tensor) -> Packed:
         check_float(self.spec, x)
+        check_size(self.spec, x.numel(), x.dtype)
         payload = self._op("mpc_encode", x.device)(x.detach().contiguous(), self.dim)
         return Packed(payload=payload, shape=x.shape, dtype=x.dtype)
 
@@ -71,11 +73,41 @@ class MpcCodec(ContainerCodec):
         payload = self._checked_payload(packed)
         payload = payload.contiguous()
         checksum = self._op("container_checksum", payload.device)(payload)
-        container.validate(payload, checksum, codec="mpc", dtype=packed.dtype, numel=packed.numel, param=self.dim,
-                           param_name="dim", what=f"{self.spec} payload")
+        container.validate(payload, checksum, **self._expect(packed))
+        return self._decode_body(payload, packed)
+
+    def decode_deferred(self, packed: Packed) -> tuple[torch.Tensor, container.DeferredCheck]:
+        """``decode`` with the container's validation deferred (no host read: ``ContainerCodec``).
+
+        The decode kernels stay inside the payload buffer whatever its bytes (they take its length), so a
+        corrupt payload decodes to garbage that the check then rejects. Where a kernel refuses the payload
+        at once (the CPU kernels check the body), the output is NaN and the check raises later, as on a GPU:
+        the container's own error when its header or checksum is bad, else the kernel's."""
+        payload = self._checked_payload(packed)
+        payload = payload.contiguous()
+        checksum = self._op("container_checksum", payload.device)(payload)
+        check = container.deferred_check(payload, checksum, **self._expect(packed))
+        try:
+            return self._decode_body(payload, packed), check
+        except container.PayloadError as exc:
+            out = torch.full(packed.shape, float("nan"), dtype=packed.dtype, device=payload.device)
+            return out, dataclasses.replace(check, error=str(exc))
+
+    def _expect(self, packed: Packed) -> dict:
+        return dict(codec="mpc", dtype=packed.dtype, numel=packed.numel, param=self.dim, param_name="dim",
+                    what=f"{self.spec} payload")
+
+    def _decode_body(self, payload: torch.Tensor, packed: Packed) -> torch.Tensor:
         out = torch.empty(packed.shape, dtype=packed.dtype, device=payload.device)
         try:
             self._op("mpc_decode_", payload.device)(payload, out, self.dim)
         except RuntimeError as exc:  # the kernels' own corruption checks (valid checksum, impossible body)
             raise container.PayloadError(f"{self.spec}: {exc}") from None
         return out
+
+
+def check_size(spec: str, numel: int, dtype: torch.dtype) -> None:
+    """Refuse, before any kernel runs, a tensor whose worst-case body segment overflows the container's
+    uint32 sizes table (the plane words of about 4 GiB of values; ``container.MAX_SEGMENT_BYTES``)."""
+    planes, bitmap = mpc_reference.geometry(numel, mpc_reference.word_bits(dtype))
+    container.check_segment_sizes([4 * bitmap, 4 * planes], f"{spec}: {numel} {dtype} values")

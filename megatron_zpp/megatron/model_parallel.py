@@ -3,7 +3,8 @@
 Pipeline (``pp``): ``p2p_communication._batched_p2p_ops`` / ``_p2p_ops`` (looked up by
 ``P2PCommunicator`` at call time) are wrapped: sends are encoded, receives post payload buffers
 of the size the known shape implies (a variable-size codec sends its lengths first, one int64 per
-direction), and the returned requests decode into Megatron's receive tensors in ``wait()``. This covers every schedule, interleaved and overlapped p2p included,
+direction, read from the container headers on the device: one host read per p2p call, for the
+lengths sent and received together, and no device-wide synchronize), and the returned requests decode into Megatron's receive tensors in ``wait()``. This covers every schedule, interleaved and overlapped p2p included,
 since they all wait on these requests before reading.
 
 Tensor (``tp``): the collectives of ``tensor_parallel.mappings`` (``_reduce`` all-reduce, the
@@ -27,8 +28,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_zpp.comm import Topology, compressed_all_reduce, qgz_reduce_scatter, quantized_all_gather
+from megatron_zpp.comm._common import FLOAT_DTYPES
 from megatron_zpp.comm.p2p import SIZE_MESSAGE_BYTES, DecodingRequest, P2PCodec, record_p2p
+from megatron_zpp.comm.stats import comm_timers
 from megatron_zpp.compression import get_codec
+from megatron_zpp.compression.container import payload_lengths
+from megatron_zpp.compression.host_read import HostRead
 
 PP_TAG, TP_TAG = "pp", "tp"
 
@@ -87,19 +92,24 @@ class ModelParallelHooks:
                     tensor_send_next=tensor_send_next, tensor_recv_next=tensor_recv_next, group=group,
                     prev_pipeline_rank=prev_pipeline_rank, next_pipeline_rank=next_pipeline_rank)
             me, rpn = dist.get_rank(), hooks.ranks_per_node or dist.get_world_size()  # at the call: installs before init
-            sends = {}
-            for key, t, peer in (("send_prev", tensor_send_prev, prev_pipeline_rank),
-                                 ("send_next", tensor_send_next, next_pipeline_rank)):
+            sends, raw = {}, {}
+            peers = {"send_prev": prev_pipeline_rank, "send_next": next_pipeline_rank}
+            for key, t in (("send_prev", tensor_send_prev), ("send_next", tensor_send_next)):
                 if t is not None:
-                    sends[key] = codec.encode(t, site=f"{PP_TAG}.{key}", rank=me)
-                    size_message = 0 if codec.fixed_size else SIZE_MESSAGE_BYTES
-                    record_p2p(PP_TAG, peer, me, rpn, sends[key].numel() + size_message,
-                               t.numel() * t.element_size())
+                    raw[key] = t.numel() * t.element_size()
+                    # variable size: the whole encoded buffer; cut to its true length after the size read
+                    sends[key] = codec.encode(t, site=f"{PP_TAG}.{key}", rank=me) if codec.fixed_size \
+                        else encode_whole(t)
             recv_like = {key: t for key, t in (("recv_prev", tensor_recv_prev), ("recv_next", tensor_recv_next))
                          if t is not None}
             sizes = {} if codec.fixed_size else exchange_sizes(
                 originals[name], sends, recv_like, group=group, prev_pipeline_rank=prev_pipeline_rank,
                 next_pipeline_rank=next_pipeline_rank)
+            for key, payload in sends.items():
+                if not codec.fixed_size:
+                    sends[key] = payload = payload[:sizes[key]]
+                size_message = 0 if codec.fixed_size else SIZE_MESSAGE_BYTES
+                record_p2p(PP_TAG, peers[key], me, rpn, payload.numel() + size_message, raw[key])
             recvs = {key: codec.empty_payload(t, sizes.get(key)) for key, t in recv_like.items()}
             reqs = originals[name](
                 tensor_send_prev=sends.get("send_prev"), tensor_recv_prev=recvs.get("recv_prev"),
@@ -112,25 +122,33 @@ class ModelParallelHooks:
             decodes = [(codec, recvs[key], outs[key]) for key in recvs]
             return [DecodingRequest(reqs, decodes, keep=sends)] if reqs else []
 
-        def exchange_sizes(p2p_ops, sends, recv_like, **where) -> dict[str, int]:
-            """Variable-size payloads: send each payload's length (one int64) the way the payload will
-            go, wait, and return the lengths to receive (a host sync on a GPU, one per p2p call)."""
-            def message(n=0, like=None):
-                device = like.device if like is not None else next(iter(sends.values())).device
-                return torch.tensor([n], dtype=torch.int64, device=device)
+        def encode_whole(t: torch.Tensor) -> torch.Tensor:
+            """A variable-size codec's encoding of ``t``, the whole buffer (its length is in the header)."""
+            if t.dtype not in FLOAT_DTYPES:
+                raise TypeError(f"pipeline p2p compression takes {FLOAT_DTYPES}, got {t.dtype}")
+            with comm_timers().codec():
+                return codec.codec.encode(t.detach().contiguous()).payload.view(-1)
 
-            size_sends = {key: message(p.numel(), p) for key, p in sends.items()}
-            size_recvs = {key: message(like=t) for key, t in recv_like.items()}
+        def exchange_sizes(p2p_ops, sends, recv_like, **where) -> dict[str, int]:
+            """Variable-size payloads: send each payload's length (one int64, read from its container header
+            on the device) the way the payload will go, and return the lengths of what this rank sends
+            (``send_*``) and receives (``recv_*``): the one host read of the p2p call.
+
+            It waits for the size messages only (their requests, then the current stream), not for the
+            whole device: no torch.cuda.synchronize(). Megatron's own synchronize "against a race" in
+            batch_isend_irecv runs in _communicate_shapes (variable_seq_lengths only) and after each p2p
+            call when config.batch_p2p_sync is set (its default); here the payload ops are issued after the
+            size ops completed on this rank (the read), so no two of our batches are in flight at once."""
+            size_sends = {key: payload_lengths([p]) for key, p in sends.items()}
+            size_recvs = {key: torch.empty(1, dtype=torch.int64, device=t.device) for key, t in recv_like.items()}
             reqs = p2p_ops(tensor_send_prev=size_sends.get("send_prev"), tensor_recv_prev=size_recvs.get("recv_prev"),
                            tensor_send_next=size_sends.get("send_next"), tensor_recv_next=size_recvs.get("recv_next"),
                            **where)
-            for req in (reqs.values() if isinstance(reqs, dict) else reqs):
-                req.wait()
-            if any(t.is_cuda for t in list(size_sends.values()) + list(size_recvs.values())):
-                # Two batch_isend_irecv back to back on one communicator: Megatron's _communicate_shapes
-                # synchronizes here against a known race; so do we (not run: no GPU here).
-                torch.cuda.synchronize()
-            return {key: int(t.item()) for key, t in size_recvs.items()}
+            works = list(reqs.values() if isinstance(reqs, dict) else reqs)
+            both = {**size_sends, **size_recvs}
+            # The tensors go in as they are (computing on them before the wait would read them early).
+            values = HostRead(list(both.values()), works).values()
+            return {key: int(v[0]) for key, v in zip(both, values)}
 
         def batched(**kwargs):
             return encoded_call("_batched_p2p_ops", **kwargs)
