@@ -113,6 +113,24 @@ def test_deferred_validation_raises_what_eager_validation_raises():
         assert str(deferred.value) == str(eager.value), (name, str(deferred.value), str(eager.value))
 
 
+def test_deferred_decode_of_a_corrupt_payload_is_nan_before_its_check_raises():
+    """The deferred check raises at the next progress point; the output the optimizer may read before then
+    is NaN (found-inf skips the step), never plausible garbage. A valid payload is untouched."""
+    from megatron_zpp.compression import Packed, get_codec
+
+    codec = get_codec("mpc")
+    x = torch.randn(3000)
+    packed = codec.encode(x)
+    out, _ = codec.decode_deferred(packed)
+    assert torch.equal(out, x)
+    bad = packed.payload.clone()
+    bad[container.header_bytes(2) + 700] ^= 0x10  # a body byte the decoder itself cannot notice
+    out, check = codec.decode_deferred(Packed(payload=bad, shape=packed.shape, dtype=packed.dtype))
+    assert torch.isnan(out).all()
+    with pytest.raises(container.PayloadError, match="checksum mismatch"):
+        check.raise_if_invalid(check.record)
+
+
 def test_deferred_validation_keeps_a_decoder_error_behind_a_valid_container():
     """A payload whose container is valid (checksum rewritten) but whose body the decoder refuses: the
     deferred check raises the decoder's error, so nothing is swallowed."""

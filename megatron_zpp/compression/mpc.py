@@ -88,10 +88,19 @@ class MpcCodec(ContainerCodec):
         checksum = self._op("container_checksum", payload.device)(payload)
         check = container.deferred_check(payload, checksum, **self._expect(packed))
         try:
-            return self._decode_body(payload, packed), check
+            out = self._decode_body(payload, packed)
         except container.PayloadError as exc:
             out = torch.full(packed.shape, float("nan"), dtype=packed.dtype, device=payload.device)
             return out, dataclasses.replace(check, error=str(exc))
+        # The check raises one progress point later; meanwhile a payload whose checksum does not match is
+        # decoded to NaN on the device (no host read), so this iteration's found-inf check already sees it
+        # and Megatron skips the step instead of applying garbage.
+        if payload.numel() >= container.HEADER_BYTES:
+            off = container.CHECKSUM_OFFSET
+            stored = payload[off:off + 4].clone().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+            out.masked_fill_(stored.reshape(()) != (checksum.reshape(()).to(torch.int64) & 0xFFFFFFFF),
+                             float("nan"))
+        return out, check
 
     def _expect(self, packed: Packed) -> dict:
         return dict(codec="mpc", dtype=packed.dtype, numel=packed.numel, param=self.dim, param_name="dim",
