@@ -28,6 +28,10 @@ one fixed order, so the calls match on every member whatever the backend needs:
 - otherwise torch creates no communicator by splitting, and ``new_group(...,
   use_local_synchronization=True)`` among each subgroup's members is enough.
 
+torch names a new group from a per-process creation counter, and members meet in the store under
+that name (gloo, unbound NCCL): the members of ``group`` must have created equally many groups
+before, which holds when every group of a kind has the same shape (Megatron's layouts).
+
 Process groups are shared by member ranks (:func:`_subgroup`): two Topologies over the same ranks
 with different hpZ sizes (Megatron-FSDP's gather and reduce), or a subgroup equal to another one
 (intra == flat on one node, hpZ == intra), use one communicator. Each Topology shape keeps its
