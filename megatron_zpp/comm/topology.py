@@ -13,10 +13,32 @@ group ``[0, 2, 4, 6]`` with TP=2 on 4-GPU nodes: its members ``0, 2`` form node
 every Megatron group, whose ranks are ascending) and every node must hold the
 same number of them.
 
-Subgroups are created with ``use_local_synchronization=True`` so that only their
-members take part; like Megatron's own group creation this assumes SPMD: every
-rank builds its Topologies in the same order. Groups are cached per
-(member ranks, ranks_per_node, hpz size), so building a Topology twice is free.
+Subgroups are created lazily, at a Topology's construction, and only by the members of
+``group``: construction is a collective over ``group`` (like the first collective on it, which is
+where the hooks construct it), never over the world, so pipeline stages, which build their
+topologies at different times, never wait for each other. Every member creates the subgroups of
+every member (the flat copy, all intra-node, all inter-node and all hpZ groups of ``group``) in
+one fixed order, so the calls match on every member whatever the backend needs:
+
+- default group bound to a device (``init_process_group(device_id=...)``): torch's ``new_group``
+  creates a subgroup by splitting the *default* communicator (``ncclCommSplit``), a collective
+  over every rank of the world, so a members-only ``new_group(..., use_local_synchronization=True)``
+  hangs its members. We split ``group`` itself instead (``torch.distributed.split_group`` with
+  ``group`` as the parent: every member of ``group`` takes part, nobody else needs to);
+- otherwise torch creates no communicator by splitting, and ``new_group(...,
+  use_local_synchronization=True)`` among each subgroup's members is enough.
+
+torch names a new group from a per-process creation counter, and members meet in the store under
+that name (gloo, unbound NCCL): the members of ``group`` must have created equally many groups
+before, which holds when every group of a kind has the same shape (Megatron's layouts).
+
+Process groups are shared by member ranks (:func:`_subgroup`): two Topologies over the same ranks
+with different hpZ sizes (Megatron-FSDP's gather and reduce), or a subgroup equal to another one
+(intra == flat on one node, hpZ == intra), use one communicator. Each Topology shape keeps its
+own in-flight queue, streams, scratch pool and codecs (:class:`_TopologyGroups`); sharing a
+communicator needs no shared queue, as every hop is issued from the caller's thread at a point
+of the call sequence that is the same on every rank (execution.py), whichever queue holds it.
+The caller's own ``group`` is never reused (see :class:`_TopologyGroups`).
 """
 
 from __future__ import annotations
@@ -79,9 +101,18 @@ class _GroupInfo:
 
 @dataclass
 class _TopologyGroups:
-    """The cached, private groups of one Topology shape. Private so that our collectives never
-    interleave with the caller's on the same communicator, and are never deferred by
-    Megatron's ``_coalescing_manager`` on the caller's group."""
+    """The groups of one Topology shape, and what its calls share (queue, streams, pool, codecs).
+
+    ``flat`` is a private copy of the caller's group, never the caller's group itself, though the
+    ranks are equal: (1) Megatron issues its bucket collectives inside ``_coalescing_manager`` on
+    its group, and our hops are issued inside that block; torch captures every
+    ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` / ``all_reduce`` on that group there (any
+    backend), launches them only when the block ends and returns an unwaitable ``_IllegalWork``
+    meanwhile, so our in-block waits (qgZ's second hop waits the first) would fail, and the block
+    refuses a mix of op types (our gathers among its reduce-scatters); (2) the hooks tell our own inner
+    collectives from Megatron's by their group (``MegatronHooks._is_private``): on Megatron's group
+    Megatron's collectives would no longer be routed. Our groups are deduplicated among
+    themselves only (:func:`_subgroup`)."""
 
     flat: _GroupInfo
     intra: _GroupInfo
@@ -95,13 +126,77 @@ class _TopologyGroups:
     agreed: set = field(default_factory=set, repr=False)  # settings checked across ranks
 
 
-_GROUP_CACHE: dict[tuple, _TopologyGroups] = {}
+_GROUP_CACHE: dict[tuple, _TopologyGroups] = {}  # (members, ranks_per_node, hpz size) -> groups
+
+# Every subgroup this process took part in creating: member ranks (group order) -> [(the ranks
+# that took part, the group or None when this rank is not a member)]. Kept on every participant,
+# members or not, so that all participants of a later creation agree on what exists (below).
+_SUBGROUPS: dict[tuple[int, ...], list[tuple[frozenset[int], dist.ProcessGroup | None]]] = {}
 
 
-def _new_group(ranks: list[int]) -> dist.ProcessGroup | None:
-    if len(ranks) == 1:
+def _splits_default_communicator() -> bool:
+    """Whether torch's ``new_group`` would create a subgroup by splitting the default group's
+    communicator (a collective over the whole world): the default group is bound to a device."""
+    return getattr(dist.group.WORLD, "bound_device_id", None) is not None
+
+
+def _subgroup(members: tuple[int, ...], participants: frozenset[int]):
+    """An existing group of ``members`` that every rank of ``participants`` knows, else ``None``.
+
+    A group created by a collective over ranks ``Q`` is recorded on every rank of ``Q``; when ``Q``
+    contains all of ``participants``, every one of them holds the record, so they all decide to reuse
+    it (records made over other rank sets are ignored alike): all ranks of a creation agree on what
+    to create, as the collective needs. Returns ``(group,)``, the group being ``None`` on non-members."""
+    for took_part, group in _SUBGROUPS.get(members, ()):
+        if participants <= took_part:
+            return (group,)
+    return None
+
+
+def _create_round(parent: dist.ProcessGroup, parent_members: tuple[int, ...],
+                  lists: list[tuple[int, ...]]) -> None:
+    """Create the disjoint groups ``lists`` (global ranks) of ``parent``'s members, unless they exist.
+
+    Called by every member of ``parent`` with the same ``lists`` (SPMD within ``parent``). Groups of one
+    rank get no process group. With a device-bound default group: one ``split_group`` of ``parent``,
+    every member of ``parent`` taking part (none when nothing is new: all members agree on it,
+    see :func:`_subgroup`). Otherwise each new group's members call ``new_group`` with local
+    synchronization, in ``lists`` order."""
+    me = dist.get_rank()
+    split = _splits_default_communicator()
+    new = []
+    for members in lists:
+        if len(members) == 1:
+            continue
+        # Who takes part in creating it: the whole parent (split) or its members only.
+        participants = frozenset(parent_members) if split else frozenset(members)
+        if _subgroup(members, participants) is None:
+            new.append(members)
+    if not new:
+        return
+    if split:
+        index = {r: i for i, r in enumerate(parent_members)}
+        group = dist.split_group(parent_pg=parent, split_ranks=[[index[r] for r in m] for m in new])
+        for members in new:
+            mine = group if me in members else None
+            _SUBGROUPS.setdefault(members, []).append((frozenset(parent_members), mine))
+        return
+    for members in new:
+        if me in members:
+            group = dist.new_group(list(members), use_local_synchronization=True)
+            _SUBGROUPS.setdefault(members, []).append((frozenset(members), group))
+
+
+def _group_of(members: tuple[int, ...], parent_members: tuple[int, ...]) -> dist.ProcessGroup | None:
+    """This rank's group of ``members`` after :func:`_create_round` (``None``: a group of one)."""
+    if len(members) == 1:
         return None
-    return dist.new_group(ranks, use_local_synchronization=True)
+    participants = frozenset(parent_members) if _splits_default_communicator() else frozenset(members)
+    found = _subgroup(members, participants)
+    if found is None or found[0] is None:
+        raise RuntimeError(f"megatron_zpp: subgroup {list(members)} of {list(parent_members)} was not created on "
+                           f"rank {dist.get_rank()}")
+    return found[0]
 
 
 def ranks_per_node_from_env() -> int | None:
@@ -206,23 +301,30 @@ class Topology:
         cached = _GROUP_CACHE.get(key)
         if cached is not None:
             return cached
-        n, k = self.node_size, self.hpz_size
-        node_of = tuple(i // n for i in range(self.size))  # by group index
-        intra_idx = [self.node * n + j for j in range(n)]
-        inter_idx = [m * n + self.local for m in range(self.num_nodes)]
-        hpz_first = self.node * n + (self.local // k) * k
-        hpz_idx = list(range(hpz_first, hpz_first + k))
-
-        def info(indices: list[int], flat: bool = False) -> _GroupInfo:
-            # Fixed creation order (flat, intra, inter, hpz) on every rank keeps torch's group
-            # name salt consistent among members.
-            g = _new_group([self.members[i] for i in indices])
-            return _GroupInfo(g, tuple(node_of[i] for i in indices), indices.index(self.rank))
-
-        flat = info(list(range(self.size)))
-        groups = _TopologyGroups(flat=flat, intra=info(intra_idx), inter=info(inter_idx), hpz=info(hpz_idx))
+        n, k, size = self.node_size, self.hpz_size, self.size
+        node_of = tuple(i // n for i in range(size))  # by group index
+        # Every group of every member, by group index, in one fixed order (flat, intra, inter, hpz):
+        # creation is a collective over self.group, so every member makes the same calls.
+        kinds = {
+            "flat": [list(range(size))],
+            "intra": [[m * n + j for j in range(n)] for m in range(self.num_nodes)],
+            "inter": [[m * n + j for m in range(self.num_nodes)] for j in range(n)],
+            "hpz": [list(range(first, first + k)) for first in range(0, size, k)],
+        }
+        infos = {}
+        for kind, index_lists in kinds.items():
+            _create_round(self.group, self.members, [tuple(self.members[i] for i in idx) for idx in index_lists])
+            mine = next(idx for idx in index_lists if self.rank in idx)
+            group = _group_of(tuple(self.members[i] for i in mine), self.members)
+            infos[kind] = _GroupInfo(group, tuple(node_of[i] for i in mine), mine.index(self.rank))
+        groups = _TopologyGroups(**infos)
         _GROUP_CACHE[key] = groups
         return groups
+
+    def owns(self, group) -> bool:
+        """Whether ``group`` is one of this topology's own subgroups (not the caller's group)."""
+        g = self._groups
+        return group is not None and any(group is info.group for info in (g.flat, g.intra, g.inter, g.hpz))
 
     @property
     def intra_group(self) -> dist.ProcessGroup | None:

@@ -144,7 +144,12 @@ class MegatronHooks:
 
     # ------------------------------------------------------------------ topology
     def topology(self, group, hpz: bool = False) -> Topology:
-        """The topology of a data-parallel group (with the policy's hpZ partition when ``hpz``)."""
+        """The topology of a data-parallel group (with the policy's hpZ partition when ``hpz``).
+
+        Built at the first routed collective on ``group``: its construction is a collective over
+        ``group``'s members only (topology.py), who are all at that collective, so it is safe
+        however the pipeline stages are timed. Megatron-FSDP's gather (hpZ) and reduce topologies
+        over the same ranks share their process groups."""
         ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
         hpz_size = self.policy.hpz_size if hpz else 1
         topo = self._topologies.get((ranks, hpz_size))
@@ -487,11 +492,7 @@ class MegatronHooks:
         """Whether ``group`` is one of our topologies' own groups (never routed again)."""
         if group is None:
             return False
-        for topo in self._topologies.values():
-            g = topo._groups
-            if group in (g.flat.group, g.intra.group, g.inter.group, g.hpz.group):
-                return True
-        return False
+        return any(topo.owns(group) for topo in self._topologies.values())
 
     def uninstall(self) -> None:
         from megatron.core.distributed import param_and_grad_buffer as pgb
