@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train test soak bench bench-codecs bench-collectives bench-training sweep cuda-build clean
+.PHONY: train test test-oldest-torch gpu-kit soak bench bench-codecs bench-collectives bench-training sweep cuda-build clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/include/zpp/*.h csrc/include/zpp/*.cuh)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -62,6 +62,29 @@ bench-training: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
+
+# The oldest supported torch (CI runs this after `make test`): a separate venv with torch 2.11 and the oldest
+# megatron-core, a copy of the working tree installed into it with --no-build-isolation and its dependencies
+# (so pip's resolver sees the installed torch and must keep it: test_packaging asserts it does), then the
+# codec, comm and one short training test against torch 2.11. The copy keeps the tree's own kernels (built
+# against the pinned torch) apart from the ones built here.
+OLDEST_VENV := .venv-oldest
+OLDEST_TORCH ?= 2.11
+OLDEST_MCORE ?= 0.16
+OLDEST_SRC := $(OLDEST_VENV)/src
+OLDEST_TESTS ?= tests/test_packaging.py tests/test_codecs.py tests/test_comm.py \
+	tests/test_megatron.py::test_dp4_distributed_optimizer_2x2_with_and_without_overlap
+
+test-oldest-torch:
+	test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install -q --upgrade pip
+	$(OLDEST_VENV)/bin/python -m pip install -q "torch==$(OLDEST_TORCH).*" "megatron-core==$(OLDEST_MCORE).*" \
+		"setuptools>=70.1" wheel ninja pytest
+	rm -rf $(OLDEST_SRC) && mkdir -p $(OLDEST_SRC)
+	git ls-files -z --cached --others --exclude-standard | tar --null -T - --ignore-failed-read -cf - | tar -xf - -C $(OLDEST_SRC)
+	cd $(OLDEST_SRC) && ../bin/python -m pip install -q --no-build-isolation -e .
+	cd $(OLDEST_SRC) && ZPP_EXPECT_TORCH=$(OLDEST_TORCH) ZPP_EXPECT_MCORE=$(OLDEST_MCORE) \
+		../bin/python -m pytest -q -p no:cacheprovider $(OLDEST_TESTS) $(ARGS)
 
 # Soak (tools/soak.py): 1000 steps of every policy preset, and zeropp on Megatron-FSDP, on a tiny GPT with 4 CPU
 # ranks (2 simulated nodes x 2); fails on a NaN, a failed run, scratch pools growing after warm-up or byte
