@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train test test-oldest-torch gpu-kit soak bench bench-codecs bench-collectives bench-training sweep cuda-build clean
+.PHONY: train test test-oldest-torch gpu-kit test-gpu-kit soak bench bench-codecs bench-collectives bench-training sweep cuda-build clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/include/zpp/*.h csrc/include/zpp/*.cuh)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -96,5 +96,16 @@ soak: $(STAMP)
 cuda-build: $(STAMP)
 	$(PY) tools/cuda_build.py
 
+# The offline kit for a GPU machine without network (tools/gpu_kit.py): the sdist of this package and the
+# Python 3.12 manylinux wheels of the runtime dependencies a CUDA torch image lacks, never torch; fails
+# over 60 MiB with every file's size. Needs the network here. Install instructions: .gpukit/README.md.
+GPUKIT ?= .gpukit
+gpu-kit: $(STAMP)
+	$(PY) tools/gpu_kit.py --out $(GPUKIT) $(ARGS)
+
+# CI: build the kit, install it offline into a scratch folder, import the package from there.
+test-gpu-kit: gpu-kit
+	ZPP_GPU_KIT=$(GPUKIT) $(PY) -m pytest -q -m slow tests/test_packaging.py -k gpu_kit
+
 clean:
-	rm -rf build megatron_zpp/*.so $(STAMP)
+	rm -rf build megatron_zpp/*.so $(STAMP) $(OLDEST_VENV) $(GPUKIT)

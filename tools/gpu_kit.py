@@ -74,16 +74,18 @@ Files (sizes in MiB, total {total:.1f} MiB):
 """
 
 
-def _run(cmd: list[str]) -> None:
+def _run(cmd: list[str], quiet: bool = False) -> None:
     print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=quiet, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"failed ({out.returncode}): {' '.join(cmd)}\n{(out.stdout or '')[-3000:]}{(out.stderr or '')[-3000:]}")
 
 
 def build_sdist(out: Path) -> Path:
     """The sdist, built without isolation (no network for build requirements; torch is not needed)."""
     before = set(out.glob("megatron_zpp-*.tar.gz"))
     _run([sys.executable, "-c", "from setuptools import build_meta; "
-          f"print(build_meta.build_sdist({str(out)!r}))"])
+          f"print(build_meta.build_sdist({str(out)!r}))"], quiet=True)  # setuptools lists every file
     new = sorted(set(out.glob("megatron_zpp-*.tar.gz")) - before) or sorted(out.glob("megatron_zpp-*.tar.gz"))
     if not new:
         raise SystemExit(f"no megatron_zpp sdist appeared in {out}")
