@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train test soak bench bench-codecs bench-collectives bench-training sweep cuda-build clean
+.PHONY: train test test-oldest-torch gpu-kit test-gpu-kit soak bench bench-codecs bench-collectives bench-training sweep cuda-build clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/include/zpp/*.h csrc/include/zpp/*.cuh)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -63,6 +63,31 @@ bench-training: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
 
+# The oldest supported torch (CI runs this after `make test`): a separate venv with torch 2.11 and the oldest
+# megatron-core, a copy of the working tree installed into it with --no-build-isolation and its dependencies
+# (so pip's resolver sees the installed torch and must keep it: test_packaging asserts it does), then the
+# codec, comm and one short training test against torch 2.11. The copy keeps the tree's own kernels (built
+# against the pinned torch) apart from the ones built here.
+OLDEST_VENV := .venv-oldest
+OLDEST_TORCH ?= 2.11
+OLDEST_MCORE ?= 0.16
+OLDEST_SRC := $(OLDEST_VENV)/src
+OLDEST_TESTS ?= tests/test_packaging.py tests/test_codecs.py tests/test_comm.py \
+	tests/test_megatron.py::test_dp4_distributed_optimizer_2x2_with_and_without_overlap
+# the 8-rank layouts (2x4, 4x2) only repeat on more processes what the 4- and 6-rank ones check
+OLDEST_K ?= not 2x4 and not 4x2
+
+test-oldest-torch:
+	test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install -q --upgrade pip
+	$(OLDEST_VENV)/bin/python -m pip install -q "torch==$(OLDEST_TORCH).*" "megatron-core==$(OLDEST_MCORE).*" \
+		"setuptools>=70.1" wheel ninja pytest
+	rm -rf $(OLDEST_SRC) && mkdir -p $(OLDEST_SRC)
+	git ls-files -z --cached --others --exclude-standard | tar --null -T - --ignore-failed-read -cf - | tar -xf - -C $(OLDEST_SRC)
+	cd $(OLDEST_SRC) && ../bin/python -m pip install -q --no-build-isolation -e .
+	cd $(OLDEST_SRC) && ZPP_EXPECT_TORCH=$(OLDEST_TORCH) ZPP_EXPECT_MCORE=$(OLDEST_MCORE) \
+		../bin/python -m pytest -q -p no:cacheprovider -k "$(OLDEST_K)" $(OLDEST_TESTS) $(ARGS)
+
 # Soak (tools/soak.py): 1000 steps of every policy preset, and zeropp on Megatron-FSDP, on a tiny GPT with 4 CPU
 # ranks (2 simulated nodes x 2); fails on a NaN, a failed run, scratch pools growing after warm-up or byte
 # counters that drift; prints the resident-memory slope. About 15-20 minutes on 2 cores; results in $(SOAK_OUT).
@@ -73,8 +98,19 @@ soak: $(STAMP)
 cuda-build: $(STAMP)
 	$(PY) tools/cuda_build.py
 
+# The offline kit for a GPU machine without network (tools/gpu_kit.py): the sdist of this package and the
+# Python 3.12 manylinux wheels of the runtime dependencies a CUDA torch image lacks, never torch; fails
+# over 60 MiB with every file's size. Needs the network here. Install instructions: .gpukit/README.md.
+GPUKIT ?= .gpukit
+gpu-kit: $(STAMP)
+	$(PY) tools/gpu_kit.py --out $(GPUKIT) $(ARGS)
+
+# CI: build the kit, install it offline into a scratch folder, import the package from there.
+test-gpu-kit: gpu-kit
+	ZPP_GPU_KIT=$(GPUKIT) $(PY) -m pytest -q -m slow tests/test_packaging.py -k gpu_kit
+
 clean:
-	rm -rf build megatron_zpp/*.so $(STAMP)
+	rm -rf build megatron_zpp/*.so $(STAMP) $(OLDEST_VENV) $(GPUKIT)
 
 # The GPU check (tools/gpu_check.py) on a GPU machine without network: installs the offline kit
 # (make gpu-kit, copied here as .gpukit/) into the report folder with --no-deps, builds the CUDA

@@ -1,7 +1,9 @@
 """Compile-check the CUDA sources without a GPU (CI runs this).
 
 Compiles the kernels ``csrc/cuda/*.cu`` (blocked quantization, MPC, ZFP) with ``nvcc``
-for every architecture in ``CUDA_ARCHS`` (sm_80, sm_90) and their torch bindings
+for the same architectures that setup.py builds for (``cuda_arch_list()`` in
+megatron_zpp/compression/_extension.py: ``TORCH_CUDA_ARCH_LIST``, else the visible GPUs,
+else sm_80, sm_90, sm_100, sm_120 with PTX for compute_120) and their torch bindings
 ``csrc/cuda/*_binding.cpp`` with the host compiler against torch's and CUDA's
 headers. Nothing is linked or
 run. ``nvcc`` comes from the pip package ``nvidia-cuda-nvcc``, pinned in
@@ -25,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatron_zpp.compression._extension import CPU_CFLAGS, CUDA_ARCHS, NVCC_FLAGS  # noqa: E402
+from megatron_zpp.compression._extension import CPU_CFLAGS, cuda_arch_list, nvcc_flags  # noqa: E402
 
 KERNELS = ("quant_kernels", "mpc_kernels", "zfp_kernels")  # csrc/cuda/<name>.cu
 BINDINGS = ("quant_cuda_binding", "mpc_cuda_binding", "zfp_cuda_binding")  # csrc/cuda/<name>.cpp
@@ -65,17 +67,26 @@ def main() -> None:
     nvcc = root / "bin" / "nvcc"
     includes = [f"-I{ROOT / 'csrc' / 'include'}", f"-I{root / 'include'}"]
     subprocess.run([str(nvcc), "--version"], check=True)
+    archs = cuda_arch_list()
+    # nvcc's own list of targets: an architecture it lacks fails here by name, not deep in a compile.
+    known = set(subprocess.run([str(nvcc), "--list-gpu-code"], capture_output=True, text=True, check=True).stdout.split())
+    missing = [str(a) for a in archs if f"sm_{a.major}{a.minor}" not in known]
+    if missing:
+        raise SystemExit(f"{nvcc} cannot compile for {', '.join(missing)} (it knows {' '.join(sorted(known))}); "
+                         "set TORCH_CUDA_ARCH_LIST to a subset or use a newer nvcc")
+    flags = nvcc_flags(archs)
     t_kernels = t_binding = 0.0
     for name in KERNELS:
-        t_kernels += run([str(nvcc), *NVCC_FLAGS, *includes, "-c", str(ROOT / "csrc/cuda" / f"{name}.cu"),
+        t_kernels += run([str(nvcc), *flags, *includes, "-c", str(ROOT / "csrc/cuda" / f"{name}.cu"),
                           "-o", str(out / f"{name}.o")])
     torch_includes = [f"-I{p}" for p in include_paths()]  # ATen/cuda headers live here too
     for name in BINDINGS:
         t_binding += run(["g++", *CPU_CFLAGS, "-fPIC", "-DZPP_WITH_CUDA", *includes, *torch_includes,
                           f"-I{sysconfig.get_paths()['include']}", "-c", str(ROOT / "csrc/cuda" / f"{name}.cpp"),
                           "-o", str(out / f"{name}.o")])
-    archs = ", ".join(f"sm_{a}" for a in CUDA_ARCHS)
-    print(f"CUDA compile OK: kernels for {archs} in {t_kernels:.1f}s, torch bindings in {t_binding:.1f}s -> {out}")
+    sass = ", ".join(f"sm_{a.code}" for a in archs)
+    ptx = ", ".join(f"compute_{a.major}{a.minor}" for a in archs if a.ptx)
+    print(f"CUDA compile OK: kernels for {sass} + PTX {ptx} in {t_kernels:.1f}s, torch bindings in {t_binding:.1f}s -> {out}")
 
 
 if __name__ == "__main__":
