@@ -72,10 +72,11 @@ OLDEST_VENV := .venv-oldest
 OLDEST_TORCH ?= 2.11
 OLDEST_MCORE ?= 0.16
 OLDEST_SRC := $(OLDEST_VENV)/src
-OLDEST_TESTS ?= tests/test_packaging.py tests/test_codecs.py tests/test_comm.py \
+OLDEST_TESTS ?= tests/test_packaging.py tests/test_codecs.py \
+	"tests/test_comm.py::test_collectives_match_torch_and_codec_bounds[2x2]" \
+	"tests/test_comm.py::test_compressed_all_reduce[2x2]" tests/test_comm.py::test_nan_and_inf_reach_the_output \
+	tests/test_comm.py::test_inside_coalescing_manager \
 	tests/test_megatron.py::test_dp4_distributed_optimizer_2x2_with_and_without_overlap
-# the 8-rank layouts (2x4, 4x2) only repeat on more processes what the 4- and 6-rank ones check
-OLDEST_K ?= not 2x4 and not 4x2
 
 test-oldest-torch:
 	test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)
@@ -86,7 +87,7 @@ test-oldest-torch:
 	git ls-files -z --cached --others --exclude-standard | tar --null -T - --ignore-failed-read -cf - | tar -xf - -C $(OLDEST_SRC)
 	cd $(OLDEST_SRC) && ../bin/python -m pip install -q --no-build-isolation -e .
 	cd $(OLDEST_SRC) && ZPP_EXPECT_TORCH=$(OLDEST_TORCH) ZPP_EXPECT_MCORE=$(OLDEST_MCORE) \
-		../bin/python -m pytest -q -p no:cacheprovider -k "$(OLDEST_K)" $(OLDEST_TESTS) $(ARGS)
+		../bin/python -m pytest -q -p no:cacheprovider $(OLDEST_TESTS) $(ARGS)
 
 # Soak (tools/soak.py): 1000 steps of every policy preset, and zeropp on Megatron-FSDP, on a tiny GPT with 4 CPU
 # ranks (2 simulated nodes x 2); fails on a NaN, a failed run, scratch pools growing after warm-up or byte

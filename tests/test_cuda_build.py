@@ -62,7 +62,7 @@ def test_bad_arch_lists_fail_naming_the_value(value, needle):
         assert "'8.0;9.0;10.0+PTX'" in str(info.value) and "Hopper" in str(info.value)  # the accepted forms
 
 
-def test_cuda_sources_compile_for_the_default_architectures(tmp_path, monkeypatch):
+def test_cuda_sources_compile_for_the_oldest_and_newest_architectures(tmp_path, monkeypatch):
     sys.path.insert(0, str(ROOT / "tools"))
     try:
         import cuda_build
@@ -70,11 +70,12 @@ def test_cuda_sources_compile_for_the_default_architectures(tmp_path, monkeypatc
         cuda_build.cuda_root()
     except (ImportError, SystemExit) as exc:
         pytest.skip(f"no nvcc: {exc}")
-    # the default list, also on a machine with a GPU (whose capabilities would otherwise be the list)
-    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+    # The two ends of the default list (each architecture costs the suite about a minute; `make cuda-build`
+    # compiles the whole default list), also on a machine with a GPU, whose capability would otherwise be the list.
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;12.0")
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "cuda_build.py"), "--out", str(tmp_path)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "CUDA compile OK: kernels for sm_80, sm_90, sm_100, sm_120 + PTX compute_120" in proc.stdout
+    assert "CUDA compile OK: kernels for sm_80, sm_120 + PTX compute_120" in proc.stdout
     for name in ("quant_kernels", "quant_cuda_binding", "mpc_kernels", "mpc_cuda_binding", "zfp_kernels", "zfp_cuda_binding"):
         assert (tmp_path / f"{name}.o").stat().st_size > 0, name
