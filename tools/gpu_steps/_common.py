@@ -65,7 +65,7 @@ def write_result(out: Path, name: str, status: str, figures: dict, rows: list, d
     path = out / f"{name}.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(_clean({"status": status, "figures": figures, "rows": rows, "detail": detail}),
-                              indent=1))
+                              indent=1, default=str))
     tmp.replace(path)  # never a half-written result for the orchestrator to read
     return path
 
@@ -82,7 +82,12 @@ def run_step(name: str, body: Callable[[argparse.Namespace], tuple[str, dict, li
     except BaseException as exc:  # noqa: BLE001  (KeyboardInterrupt too: record why the step ended)
         status, figures, rows = "fail", {}, []
         detail = f"{type(exc).__name__}: {exc}\n" + traceback.format_exc()[-6000:]
-    write_result(args.out, name, status, figures, rows, detail)
+    return finish(args.out, name, status, figures, rows, detail)
+
+
+def finish(out: Path, name: str, status: str, figures: dict, rows: list, detail: str) -> int:
+    """Write the result, print its one-line verdict and return the contract's exit code."""
+    write_result(out, name, status, figures, rows, detail)
     print(f"[{name}] {status}: {detail.splitlines()[0] if detail else ''}", flush=True)
     return 1 if status == "fail" else 0
 

@@ -40,13 +40,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 import time
 import warnings
 import zlib
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402  (the step scripts' shared result file and verdict line)
 
 NAME = "comm_cuda"
 WORLD_SIZE = 4
@@ -56,11 +58,7 @@ SYNC_MESSAGE = "synchronizing"  # torch's sync-debug warning: "called a synchron
 
 # ----------------------------------------------------------------------------- result file
 def write_result(out: Path, status: str, figures: dict, rows: list, detail: str) -> int:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{NAME}.json").write_text(json.dumps({"status": status, "figures": figures, "rows": rows,
-                                                  "detail": detail}, indent=1, default=str))
-    print(f"{NAME}: {status}" + (f" ({detail.splitlines()[0]})" if detail else ""))
-    return 1 if status == "fail" else 0
+    return _common.finish(out, NAME, status, figures, rows, detail)
 
 
 # ----------------------------------------------------------------------------- per-rank body

@@ -35,6 +35,9 @@ import time
 from functools import partial
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402  (the step scripts' shared result file and verdict line)
+
 NAME = "megatron_lm"
 REPO = Path(__file__).resolve().parents[2]
 RUNS = ("plugin", "absent")
@@ -56,11 +59,7 @@ PLUGIN_ARGS = ["--zpp-policy", "zeropp", "--zpp-ranks-per-node", "1"]
 
 
 def write_result(out: Path, status: str, figures: dict, rows: list, detail: str) -> int:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{NAME}.json").write_text(json.dumps({"status": status, "figures": figures, "rows": rows,
-                                                  "detail": detail}, indent=1, default=str))
-    print(f"{NAME}: {status}" + (f" ({detail.splitlines()[0]})" if detail else ""))
-    return 1 if status == "fail" else 0
+    return _common.finish(out, NAME, status, figures, rows, detail)
 
 
 # ----------------------------------------------------------------------------- one run (in its own process)

@@ -32,6 +32,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402  (the step scripts' shared result file and verdict line)
+
 NAME = "pretrain_gpt"
 REPO = Path(__file__).resolve().parents[2]
 POLICIES = ("zeropp", "none")
@@ -56,11 +59,7 @@ CPU_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads"
 
 
 def write_result(out: Path, status: str, figures: dict, rows: list, detail: str) -> int:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{NAME}.json").write_text(json.dumps({"status": status, "figures": figures, "rows": rows,
-                                                  "detail": detail}, indent=1, default=str))
-    print(f"{NAME}: {status}" + (f" ({detail.splitlines()[0]})" if detail else ""))
-    return 1 if status == "fail" else 0
+    return _common.finish(out, NAME, status, figures, rows, detail)
 
 
 def run_once(policy: str, model_args: list[str], out: Path, timeout_s: float, cpu: bool, cache: Path) -> dict:
