@@ -321,6 +321,12 @@ class Topology:
         _GROUP_CACHE[key] = groups
         return groups
 
+    @property
+    def private_group(self) -> dist.ProcessGroup | None:
+        """Our own copy of the caller's group (``None`` for a group of one): for setup-time collectives
+        that must not interleave with the caller's on its communicator."""
+        return self._groups.flat.group
+
     def owns(self, group) -> bool:
         """Whether ``group`` is one of this topology's own subgroups (not the caller's group)."""
         g = self._groups

@@ -29,8 +29,8 @@ def hooks_from_args(args) -> MegatronHooks:
     out of ``args.train_iters`` (both set by ``megatron.training`` before each step), read before
     every hooked collective.
     """
-    # Checked across ranks by MegatronHooks.sync_iteration at the first step or hooked collective:
-    # Megatron-LM initializes torch.distributed only inside pretrain(), after this call.
+    # Checked across ranks by MegatronHooks.install, or, since Megatron-LM initializes torch.distributed
+    # only inside pretrain() after this call, right after its initialize_model_parallel.
     policy = resolve_policy(zpp_config_from_args(args))
 
     def megatron_lm_iteration() -> tuple[int, int | None]:

@@ -75,7 +75,7 @@ class MegatronHooks:
         self._residuals: dict[str, torch.Tensor] = {}
         self._loaded_residuals: dict[str, torch.Tensor] = {}
         self._saved: dict[str, object] = {}
-        self._timed_methods: list[tuple[type, str, object]] = []
+        self._timed_methods: list[tuple[object, str, object]] = []  # (class or module, name, original)
         self.installed = False
         # Where the tensors the policy's codecs see live: the trainer sets it from its device; Megatron-LM's
         # script trains on CUDA whenever there is one.
@@ -121,15 +121,27 @@ class MegatronHooks:
             return "none"
         return spec
 
-    def sync_iteration(self) -> None:
-        """Read the iteration from ``iteration_source``; on a new one, apply the dp.grad schedule,
-        restart the stochastic-rounding seed streams at it (reproducible across reruns and
-        resumes) and, once, check the policy across ranks (Megatron-LM installs the hooks
-        before it initializes torch.distributed). Called before every routed collective and,
-        by ``pretrain_gpt.py``, at the start of every iteration."""
-        if not self._policy_agreed and dist.is_initialized():
-            check_policy_agreement(self.policy)
+    def ensure_policy_agreed(self, group=None) -> None:
+        """Check, once, that the ranks of ``group`` (default: the world) resolved the same policy.
+
+        A collective over ``group``: call it only where all its ranks are at the same point. The world
+        check runs at ``install()`` when torch.distributed is up, else right after Megatron's
+        ``initialize_model_parallel`` (Megatron-LM installs the hooks before it initializes), and at
+        ``pretrain_gpt.py``'s first iteration; never from a routed collective, which pipeline stages
+        reach at different times (with an interleaved schedule stage 0 syncs gradients before sending
+        to the last stage, so a world collective there deadlocks). A topology that finds no world check
+        done checks its own members, who are all at its first collective (``topology``)."""
+        if self._policy_agreed or not dist.is_initialized():
+            return
+        check_policy_agreement(self.policy, group=group)
+        if group is None:
             self._policy_agreed = True
+
+    def sync_iteration(self) -> None:
+        """Read the iteration from ``iteration_source``; on a new one, apply the dp.grad schedule and
+        restart the stochastic-rounding seed streams at it (reproducible across reruns and resumes).
+        Called before every routed collective and, by ``pretrain_gpt.py``, at the start of every
+        iteration. Communicates nothing."""
         if self.iteration_source is None:
             return
         iteration, train_iters = self.iteration_source()
@@ -156,6 +168,10 @@ class MegatronHooks:
         if topo is None:
             topo = Topology(group, ranks_per_node=self.ranks_per_node, hpz_partition_size=hpz_size)
             self._topologies[(ranks, hpz_size)] = topo
+            # Both sides of every hop must use the same codec: without the world check (a launcher that
+            # never called initialize_model_parallel), the members check each other on our own group.
+            if topo.private_group is not None:
+                self.ensure_policy_agreed(group=topo.private_group)
         return topo
 
     # ------------------------------------------------------------------ hpZ state
@@ -195,12 +211,32 @@ class MegatronHooks:
         check_policy_devices(self.policy, self.device_type)  # before anything is patched
         try:
             self._install(pgb)
+            self._check_policy_when_initialized()
         except BaseException:
             self.uninstall()  # restores whatever was patched before the failure
             raise
         self.installed = True
         _ACTIVE = self
         return self
+
+    def _check_policy_when_initialized(self) -> None:
+        """The world-wide policy check at a point every rank reaches together: now when torch.distributed
+        is up (install is SPMD), else right after Megatron's ``initialize_model_parallel``."""
+        if dist.is_initialized():
+            self.ensure_policy_agreed()
+            return
+        from megatron.core import parallel_state
+
+        original = parallel_state.initialize_model_parallel
+        hooks = self
+
+        def initialize_model_parallel(*args, **kwargs):
+            result = original(*args, **kwargs)
+            hooks.ensure_policy_agreed()
+            return result
+
+        parallel_state.initialize_model_parallel = initialize_model_parallel
+        self._timed_methods.append((parallel_state, "initialize_model_parallel", original))
 
     def _install(self, pgb) -> None:
         cls = pgb._ParamAndGradBucketGroup

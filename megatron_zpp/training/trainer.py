@@ -286,6 +286,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             _fault_state.update(iteration=iteration + 1, micro_batch=0)
             watchdog.progress(iteration + 1, 0)
             guard.begin(iteration + 1)  # before any collective: the codecs of this step
+            hooks.ensure_policy_agreed()  # once, world-wide; here every rank is at the same point
             hooks.sync_iteration()  # schedule and rounding seeds for this step, before any collective
             t0 = time.perf_counter()
             for m in models:
