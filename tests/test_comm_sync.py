@@ -158,3 +158,30 @@ def test_pipeline_p2p_variable_size_one_host_read_per_call():
             assert reads == 1, (rank, name, pattern, reads)
             assert exact in (True, None) and (exact is True or (rank == 0 and pattern == "one way")), \
                 (rank, name, pattern, exact)
+
+
+def test_a_deferred_check_waits_for_its_read_but_no_longer_than_the_lag():
+    """Checks run at the first progress point where their host read has arrived, or are forced after
+    MAX_CHECK_LAG points (a sync on a GPU); one that raises leaves the others queued."""
+    from megatron_zpp.comm.execution import MAX_CHECK_LAG, InFlight
+
+    in_flight, ran = InFlight(), []
+    in_flight.defer(lambda: ran.append("slow"), ready=lambda: False)
+    in_flight.defer(lambda: ran.append("arrived"), ready=lambda: True)
+    in_flight._run_deferred()
+    assert ran == ["arrived"]
+    for _ in range(MAX_CHECK_LAG - 1):
+        in_flight._run_deferred()
+    assert ran == ["arrived"]
+    in_flight._run_deferred()
+    assert ran == ["arrived", "slow"]
+
+    def corrupt():
+        raise container.PayloadError("corrupt")
+
+    in_flight.defer(corrupt)
+    in_flight.defer(lambda: ran.append("after"))
+    with pytest.raises(container.PayloadError):
+        in_flight._run_deferred()
+    in_flight._run_deferred()
+    assert ran[-1] == "after"

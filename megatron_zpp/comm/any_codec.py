@@ -33,10 +33,12 @@ really travel.
 Validation. A variable-size payload's container (header, sizes, checksum) is validated on the
 device where the codec allows (``ContainerCodec.decode_deferred``: mpc); the records of a hop's
 payloads come to the host in one read with the call's next host read (the next hop's sizes) or,
-for the last hop, at the start of the topology's next collective or ``wait()``
-(``execution.InFlight.defer``), so a corrupt payload raises
-:class:`~megatron_zpp.compression.PayloadError` naming the problem, at most one collective later
-(before that collective issues anything), and the host never waits for a decode to finish.
+for the last hop, at the start of the first later collective or ``wait()`` on the topology at which
+the read has arrived, and at the latest ``execution.MAX_CHECK_LAG`` of them later (``InFlight.defer``),
+before that collective issues anything: a corrupt payload raises
+:class:`~megatron_zpp.compression.PayloadError` naming the problem, and meanwhile decodes to NaN on
+the device (``mpc``), which Megatron's found-inf check sees in the same iteration. The host waits for a
+decode to finish only when a check is forced.
 A bad hop-1 payload (two hops) raises within the same call, at its hop-2 step. zstd (host
 payloads) and nvCOMP (its sizes are needed on the host) validate at decode.
 
@@ -116,7 +118,8 @@ class _Checks:
             read = HostRead(self.records())
             self.sent(read, 0)
         if self.reading:
-            in_flight.defer(self.consume)
+            reads = [read for _, read, _ in self.reading]
+            in_flight.defer(self.consume, ready=lambda: all(read.ready() for read in reads))
 
 
 def _a2a_bytes(group: _GroupInfo, send_sizes: list[int]) -> tuple[int, int]:

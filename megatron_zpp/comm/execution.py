@@ -106,6 +106,10 @@ class _Call:
             in_flight._depth -= 1
 
 
+# Progress points a deferred validation may wait for its host read before it is forced (a host sync).
+MAX_CHECK_LAG = 8
+
+
 class InFlight:
     """The calls of one topology whose middle steps are not all issued yet, oldest first."""
 
@@ -114,15 +118,27 @@ class InFlight:
         self._deferred: list[Callable[[], None]] = []
         self._depth = 0  # > 0 inside a first or middle step: a collective launched there is no progress point
 
-    def defer(self, check: Callable[[], None]) -> None:
-        """Run ``check`` (a finished call's deferred validation, which may raise) at the start of the next
-        collective or ``wait()`` on this topology, when its host read has had time to arrive."""
-        self._deferred.append(check)
+    def defer(self, check: Callable[[], None], ready: Callable[[], bool] = lambda: True) -> None:
+        """Run ``check`` (a finished call's deferred validation, which may raise) at the start of a later
+        collective or ``wait()`` on this topology: the first one at which ``ready()`` (its host read has
+        arrived), or the ``MAX_CHECK_LAG``-th, whichever comes first. Running it at the very next one would
+        stall the host until the previous call's decode has finished on the device (Megatron waits bucket
+        i's gather and at once starts bucket i+1's)."""
+        self._deferred.append([check, ready, 0])
 
     def _run_deferred(self) -> None:
         deferred, self._deferred = self._deferred, []
-        for check in deferred:
-            check()
+        for i, entry in enumerate(deferred):
+            check, ready, age = entry
+            if age >= MAX_CHECK_LAG or ready():
+                try:
+                    check()
+                except BaseException:
+                    self._deferred = deferred[i + 1:] + self._deferred
+                    raise
+            else:
+                entry[2] = age + 1
+                self._deferred.append(entry)
 
     def progress(self, calls: list[_Call] | None = None) -> None:
         """A progress point: issue the next middle step of every queued call (of ``calls``, a snapshot of
