@@ -241,3 +241,46 @@ def p2p_worker() -> dict:
     finally:
         hooks.uninstall()
     return out
+
+
+def p2p_corrupt_worker() -> dict:
+    """A pipeline p2p payload corrupted on the wire: the receiver's output is NaN at once (Megatron's
+    found-inf check sees it this iteration) and its container check, pending for the next p2p call's host
+    read, names the corruption."""
+    from megatron.core.pipeline_parallel import p2p_communication as p2p
+
+    from megatron_zpp.compression import container as container_module
+    from megatron_zpp.megatron.model_parallel import ModelParallelHooks
+
+    rank = dist.get_rank()
+    hooks = ModelParallelHooks("mpc", "none", None).install()
+    try:
+        if rank == 0:
+            encode = hooks.pp.codec.encode
+
+            def corrupting_encode(x):
+                packed = encode(x)
+                packed.payload.view(-1)[container_module.header_bytes(2) + 300] ^= 0x10
+                return packed
+
+            hooks.pp.codec.encode = corrupting_encode
+        none = dict(tensor_send_prev=None, tensor_recv_prev=None, tensor_send_next=None, tensor_recv_next=None)
+        recv = torch.zeros(7, 143)
+        kwargs = {**none, "tensor_send_next": _data(50, 0, 1001).view(7, 143)} if rank == 0 else \
+            {**none, "tensor_recv_prev": recv}
+        reqs = p2p._p2p_ops(group=dist.group.WORLD, prev_pipeline_rank=1 - rank, next_pipeline_rank=1 - rank,
+                            **kwargs)
+        for r in (reqs.values() if isinstance(reqs, dict) else reqs):
+            r.wait()
+        if rank == 0:
+            return {}
+        pending = list(hooks.pp.pending_checks)
+        try:
+            for check in pending:
+                check.raise_if_invalid(check.record)
+            error = None
+        except container_module.PayloadError as exc:
+            error = str(exc)
+        return {"all_nan": bool(torch.isnan(recv).all()), "pending": len(pending), "error": error}
+    finally:
+        hooks.uninstall()

@@ -185,3 +185,9 @@ def test_a_deferred_check_waits_for_its_read_but_no_longer_than_the_lag():
         in_flight._run_deferred()
     in_flight._run_deferred()
     assert ran[-1] == "after"
+
+
+def test_pipeline_p2p_corrupt_payload_is_nan_and_named_at_the_next_read():
+    r = run_distributed(checks.p2p_corrupt_worker, 2, timeout_s=120)[1]
+    assert r["all_nan"] and r["pending"] == 1, r
+    assert r["error"] and "checksum mismatch" in r["error"], r

@@ -33,6 +33,10 @@ class P2PCodec:
         self.blockwise = isinstance(codec, BlockwiseQuantCodec)
         self.fixed_size = codec.fixed_size
         self._calls: dict = {}  # call site -> sends so far in this rounding epoch
+        # Variable-size payloads received and decoded whose container checks have not reached the host:
+        # they travel with the next p2p call's size read (model_parallel.py). Meanwhile a corrupt payload
+        # has decoded to NaN on the device (ContainerCodec.decode_deferred).
+        self.pending_checks: list = []
 
     def payload_bytes(self, numel: int) -> int:
         """The payload's size (fixed-size codecs), or its upper bound (variable-size)."""
@@ -69,8 +73,14 @@ class P2PCodec:
         if self.blockwise:
             codec_ops.dequantize_rows_(payload.view(1, -1), out.data.view(-1), self.codec.bits, self.codec.block)
             return
+        packed = Packed(payload=payload, shape=out.shape, dtype=out.dtype)
         with comm_timers().codec():
-            decoded = self.codec.decode(Packed(payload=payload, shape=out.shape, dtype=out.dtype))
+            if self.fixed_size:
+                decoded = self.codec.decode(packed)
+            else:
+                decoded, check = self.codec.decode_deferred(packed)
+                if check is not None:
+                    self.pending_checks.append(check)
             out.data.copy_(decoded)
 
 

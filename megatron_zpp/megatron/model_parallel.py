@@ -146,8 +146,12 @@ class ModelParallelHooks:
                            **where)
             works = list(reqs.values() if isinstance(reqs, dict) else reqs)
             both = {**size_sends, **size_recvs}
+            # Earlier received payloads' container checks come along in the same read.
+            checks, codec.pending_checks = codec.pending_checks, []
             # The tensors go in as they are (computing on them before the wait would read them early).
-            values = HostRead(list(both.values()), works).values()
+            values = HostRead(list(both.values()) + [c.record for c in checks], works).values()
+            for check, record in zip(checks, values[len(both):]):
+                check.raise_if_invalid(record)
             return {key: int(v[0]) for key, v in zip(both, values)}
 
         def batched(**kwargs):
