@@ -27,6 +27,13 @@ the last hop, decode into the output). One path for every backend:
   the time between two calls to finish (with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` a pending stream
   wait can hold back other streams' kernels).
 
+One stream, one trade-off (not yet measured on a GPU): an older call's middle step issued at a new
+call's progress point is queued on the comm stream after that call's wait for the caller's stream, so
+qgZ's second hop of bucket i starts only once the compute up to bucket i+1's launch has run. The
+alternative order (older steps first) put the new call's encode behind the older hop's wait instead.
+Separate encode and transfer streams would avoid both but tie every scratch and receive buffer to two
+streams; ``make gpu-check`` (comm_cuda, pretrain_gpt) is where to decide it.
+
 Scratch memory: on CPU, the topology's pool (steady state allocates nothing). On CUDA, the caching
 allocator, with every scratch tensor allocated, used and dropped under the comm stream: its
 blocks are tied to that stream, so reuse is stream-ordered; NCCL's own stream is ordered before
