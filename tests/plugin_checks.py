@@ -71,7 +71,7 @@ def _forward_step(data_iterator, model, return_schedule_plan=False):
 
 def megatron_lm_pretrain(argv: list[str], plugin: bool) -> dict:
     """Parse ``argv`` with Megatron-LM's parser plus ``--zpp-*``, install the plugin (when ``plugin``) as the
-    README tells users to, and run ``megatron.training.pretrain``; the micro-batch losses and bytes."""
+    docs/megatron-lm.md tells users to, and run ``megatron.training.pretrain``; the micro-batch losses and bytes."""
     megatron_training_on_cpu()
     from megatron.core.enums import ModelType
     from megatron.training import pretrain

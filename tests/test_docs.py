@@ -36,7 +36,7 @@ def relative_links(page: Path) -> list[str]:
 def make_targets_mentioned(text: str) -> set[str]:
     """The target of every `make ...` written as a command (in a fenced block or a code span): the first word
     after `make` that is neither an option nor a VAR=value assignment."""
-    commands = [block for block in FENCE.findall(text)]
+    commands = FENCE.findall(text)
     commands += CODE_SPAN.findall(FENCE.sub("", text))
     targets = set()
     for command in commands:
@@ -70,7 +70,8 @@ def test_relative_links_point_to_existing_files(page: Path):
 
 def test_readme_is_a_short_first_page():
     lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
-    assert lines < README_MAX_LINES, f"README.md has {lines} lines; keep it under {README_MAX_LINES} (move detail to docs/)"
+    assert lines < README_MAX_LINES, (
+        f"README.md has {lines} lines; keep it under {README_MAX_LINES} (move detail to docs/)")
 
 
 def test_every_make_target_in_the_docs_exists():
@@ -80,14 +81,16 @@ def test_every_make_target_in_the_docs_exists():
     for page in doc_pages():
         for target in make_targets_mentioned(page.read_text(encoding="utf-8")) - known:
             unknown.setdefault(target, []).append(str(page.relative_to(ROOT)))
-    assert not unknown, f"`make <target>` in the docs without a Makefile rule: {unknown}; targets: {sorted(known)}"
+    assert not unknown, (
+        f"`make <target>` in the docs without a Makefile rule: {unknown}; targets: {sorted(known)}")
 
 
 def test_the_checks_can_fail():
     """The parsers find what they must: a broken link, a made-up target, and no false hit in prose."""
-    sample = "see [x](nowhere/missing.md) and [site](https://example.org) [here](#anchor)\n```bash\nmake nosuch ARGS=1\n```\n"
+    sample = "see [x](nowhere/missing.md) and [site](https://example.org) [here](#anchor)\n"
+    sample += "```bash\nmake nosuch ARGS=1\n```\n"
     sample += "We make sure that `sudo make sweep` and `make PYTHON=python3.11` and `make test-gpu-kit` parse.\n"
-    assert LINK.findall(sample)[0] == "nowhere/missing.md"
+    assert LINK.findall(sample) == ["nowhere/missing.md", "https://example.org", "#anchor"]
     assert make_targets_mentioned(sample) == {"nosuch", "sweep", "test-gpu-kit"}
     assert "nosuch" not in makefile_targets()
 

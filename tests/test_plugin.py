@@ -14,7 +14,7 @@ import plugin_checks as checks
 from megatron_zpp.megatron import install_from_args, zpp_extra_args_provider
 from megatron_zpp.testing import run_distributed
 
-# A Megatron-LM command line (README, section "Megatron-LM"), without the --zpp-* flags.
+# A Megatron-LM command line (docs/megatron-lm.md), without the --zpp-* flags.
 MEGATRON_LM = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
                "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
                "--train-iters", "10", "--lr", "1e-4", "--use-distributed-optimizer", "--bf16",

@@ -12,7 +12,7 @@ the shipped stack (``hybrid_stack_spec``) is TE modules, and ``HybridStack`` cre
 CPU path even with Megatron-Core's local attention and MLP specs (tried). Its checkpoints also use other
 keys (``decoder.final_norm``, one layer index per sublayer), and the migration guide
 (``docs/user-guide/hybrid-model-migration.md``) says its declarative builder rejects virtual pipeline
-stages. The warning is Megatron's and is left visible. See the README, section "Megatron-LM".
+stages. The warning is Megatron's and is left visible. See docs/megatron-lm.md, "GPTModel, not HybridModel".
 """
 
 from __future__ import annotations

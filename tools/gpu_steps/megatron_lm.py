@@ -6,7 +6,7 @@ Two runs of ``megatron.training.pretrain`` (shipped in the megatron-core wheel) 
 process (``torch.distributed.run``, world size 1, NCCL): a GPT of ~111M parameters (12 layers, hidden 768,
 32768-id NullTokenizer vocabulary, 1024-token sequences, 16 per iteration), bf16, distributed optimizer with
 both overlap flags, ``--mock-data``. ``plugin``: Megatron-LM's parser with ``zpp_extra_args_provider``,
-``install_from_args`` before ``pretrain`` (README, "Megatron-LM"), ``--zpp-policy zeropp``. ``absent``: the
+``install_from_args`` before ``pretrain`` (docs/megatron-lm.md), ``--zpp-policy zeropp``. ``absent``: the
 same command line without the plugin. The model provider is Megatron's default (``megatron.training.models``,
 what Megatron-LM's ``pretrain_gpt.py`` builds); the dataset provider and forward step have the contract of
 ``pretrain_gpt.py``'s (``tests/plugin_checks.py`` has the same ones for CPU), the forward step moving the
