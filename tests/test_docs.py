@@ -1,5 +1,6 @@
-"""The user documentation holds together: README.md and docs/**/*.md link only to files that exist, the README
-stays a short first page, and every `make <target>` the pages tell a user to run is a Makefile target.
+"""The user documentation holds together: README.md, docs/**/*.md and the package's own pages (megatron_zpp/**/*.md,
+which the README links for design notes) link only to files that exist, the README stays a short first page, every
+`make <target>` the pages tell a user to run is a Makefile rule, and CI runs the README's test command.
 
 Pure file reads, no processes: well under a second."""
 
@@ -23,7 +24,7 @@ MAKEFILE_RULE = re.compile(r"^([A-Za-z0-9_.\-]+(?:[ \t]+[A-Za-z0-9_.\-]+)*)[ \t]
 
 
 def doc_pages() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "megatron_zpp").rglob("*.md"))]
 
 
 def relative_links(page: Path) -> list[str]:
