@@ -123,29 +123,55 @@ def test_a_policy_switch_failing_on_one_rank_fails_every_rank(tmp_path):
     _check_every_rank(ranks, seconds, 1, r"rank 1 failed in policy switch: RuntimeError: injected failure")
 
 
-def test_step_agreement_in_one_process():
-    """A one-rank world: a collective step's error becomes a StepFailedError naming the rank, the step and the
-    error, once (a nested step's is not wrapped again); a local step's, with no peer to differ from, is raised as it
-    is, marked agreed; a step that succeeds passes."""
+def test_agreement_names_every_failed_rank_on_every_rank():
+    """2 ranks, no training: a local step that fails on one rank, then on both with different errors, is the same
+    StepFailedError on both ranks, naming each failed rank and its error; the same error on every rank is raised as
+    it is; a collective step that succeeds passes, and a nested step's failure is not wrapped twice."""
     from megatron_zpp.testing import run_distributed
 
-    assert run_distributed(_agreement_checks, 1)[0] == "ok"
+    out = run_distributed(_agreement_checks, 2)
+    print(f"\n{out[0]}")
+    assert out[0].pop("nested") == "rank 0 failed in inner: RuntimeError: deep", out  # rank 0's own, not agreed
+    assert out[0] == out[1], out
+    assert out[0] == {
+        "one": "rank 1 failed in policy switch: OSError: [Errno 28] No space left on device",
+        "two": "rank 0 failed in checkpoint commit: ValueError: zero; rank 1 failed in checkpoint commit: KeyError: 'one'",
+        "same": "ValueError: bad --load",
+    }
 
 
 def _agreement_checks():
+    import torch.distributed as dist
+
     from megatron_zpp.training.agreement import Agreement, StepFailedError, is_agreed
 
-    agreement = Agreement()
+    rank, agreement, out = dist.get_rank(), Agreement(), {}
     with agreement.step("nothing"):
         pass
-    with pytest.raises(StepFailedError) as caught:
-        with agreement.step("outer"):
-            with agreement.step("inner", confirm=False):
+    try:
+        with agreement.step("policy switch", local=True):
+            if rank == 1:
                 raise OSError(28, "No space left on device")
-    assert str(caught.value) == "rank 0 failed in inner: OSError: [Errno 28] No space left on device", caught.value
-    assert caught.value.ranks == [0] and caught.value.exit_code == 1
-    with pytest.raises(ValueError, match="bad") as caught:
-        with agreement.step("verify", local=True):
-            raise ValueError("bad")
-    assert is_agreed(caught.value)
-    return "ok"
+    except StepFailedError as e:
+        assert e.exit_code == (1 if rank == 1 else 75) and is_agreed(e)
+        out["one"] = str(e)
+    try:
+        with agreement.step("checkpoint commit", local=True):
+            raise ValueError("zero") if rank == 0 else KeyError("one")
+    except StepFailedError as e:
+        out["two"] = str(e)
+    try:
+        with agreement.step("checkpoint load", local=True):
+            raise ValueError("bad --load")
+    except ValueError as e:
+        assert is_agreed(e)
+        out["same"] = f"{type(e).__name__}: {e}"
+    if rank == 0:  # no watchdog: a collective step's failure is raised on its rank only
+        try:
+            with agreement.step("outer"):
+                with agreement.step("inner", confirm=False):
+                    raise RuntimeError("deep")
+        except StepFailedError as e:
+            out["nested"] = str(e)
+    dist.barrier()
+    return out

@@ -21,6 +21,8 @@ Two kinds of step, told apart by whether the work inside issues collectives:
   within one heartbeat interval. The failed rank waits (bounded) until they have, then raises the error
   itself. On success (``confirm=True``) the ranks still agree, so no rank goes on while another failed.
 
+An error that the code raising it knows every rank raises at that point (a bad flag, or a verdict rank 0
+broadcast) is marked with :func:`mark_agreed` and passes through a step unchanged, as does a nested step's.
 Collectives that fail because a peer is gone (a socket error) are not this rank's failure: they are
 re-raised as they are, and the trainer names the peer through the watchdog.
 """
@@ -128,6 +130,8 @@ class Agreement:
         except StepFailedError:
             raise  # a nested step's, already agreed or published
         except Exception as e:  # noqa: BLE001 - any failure of this rank is the step's
+            if is_agreed(e):
+                raise  # every rank raises it at this point (a user error found by every rank): nothing to tell
             if local:
                 try:
                     self.agree(name, e)  # raises on every rank
