@@ -2,7 +2,7 @@
 
 Ranks are started as independent processes (env:// rendezvous, rank 0 hosting the store), not under
 torchrun, whose agent would stop a dead worker's siblings itself: this checks what a rank on another
-node sees. Faults are injected with ZPP_TEST_FAULT (megatron_zpp/training/trainer.py).
+node sees. Faults are injected with ZPP_TEST_FAULT (megatron_zpp/training/faults.py).
 """
 
 from __future__ import annotations

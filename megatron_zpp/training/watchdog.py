@@ -17,8 +17,9 @@ separates a rank stuck before a collective from those waiting inside it). Two wa
   main thread may be blocked inside a C++ collective that no Python exception can interrupt).
 
 What one rank finds (or a step failure it reports, ``agreement.py``) is published in the store as the
-run's verdict, first finding wins; every other rank's thread reads it at its next heartbeat and ends its
-process with it, so a rank blocked in a collective that will never complete exits within one interval.
+run's verdict, first finding wins; every other rank's thread reads it at each heartbeat and ends its
+process with it (at the first heartbeat that sees it; at the second for a failure its own rank reported),
+so a rank blocked in a collective that will never complete exits within one or two intervals.
 
 Under torchrun a dead worker also makes its node's agent stop the node's other workers; the watchdog
 is what tells the other nodes' ranks, and the log reader, which rank it was. Restart with torchrun's
