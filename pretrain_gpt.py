@@ -18,11 +18,13 @@ from megatron_zpp.training.watchdog import EXIT_CODE, RankFailureError, stop_chi
 if __name__ == "__main__":
     try:
         pretrain(sys.argv[1:])
-    except RankFailureError:
-        # Another rank died or hung (the message names it): exit now. The interpreter's own shutdown would
-        # join communication and checkpoint-writer threads that wait on the dead peer, for seconds or minutes.
+    except RankFailureError as e:
+        # Another rank died, hung or failed a step (the message names it), or this rank failed a step and its
+        # peers were told (agreement.py): exit now. The interpreter's own shutdown would join communication and
+        # checkpoint-writer threads that wait on a dead peer, for seconds or minutes. 75 (EX_TEMPFAIL) where
+        # another rank failed, 1 on the rank whose own step failed.
         traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
         stop_child_processes()
-        os._exit(EXIT_CODE)
+        os._exit(getattr(e, "exit_code", EXIT_CODE))

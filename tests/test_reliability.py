@@ -2,7 +2,7 @@
 
 Ranks are started as independent processes (env:// rendezvous, rank 0 hosting the store), not under
 torchrun, whose agent would stop a dead worker's siblings itself: this checks what a rank on another
-node sees. Faults are injected with ZPP_TEST_FAULT (megatron_zpp/training/trainer.py).
+node sees. Faults are injected with ZPP_TEST_FAULT (megatron_zpp/training/faults.py).
 """
 
 from __future__ import annotations
@@ -36,15 +36,17 @@ def _free_port() -> int:
 
 
 class Ranks:
-    """WORLD ``pretrain_gpt.py`` processes; each one's output in ``out_dir/rank{r}.log``; killed on exit."""
+    """``world`` (default WORLD) ``pretrain_gpt.py`` processes; each one's output in ``out_dir/rank{r}.log``;
+    killed on exit."""
 
-    def __init__(self, out_dir: Path, args: list[str], fault: str | None = None) -> None:
+    def __init__(self, out_dir: Path, args: list[str], fault: str | None = None, world: int = WORLD) -> None:
         self.out_dir = out_dir
+        self.world = world
         out_dir.mkdir(parents=True, exist_ok=True)
         port = _free_port()
         self.procs, self.logs = [], []
-        for r in range(WORLD):
-            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(r % RANKS_PER_NODE),
+        for r in range(world):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r % RANKS_PER_NODE),
                        LOCAL_WORLD_SIZE=str(RANKS_PER_NODE), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                        OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
             env.pop("ZPP_TEST_FAULT", None)
@@ -69,12 +71,12 @@ class Ranks:
     def exit_times(self, limit_s: float) -> dict[int, float]:
         """Each rank's exit time (monotonic), polled every 50 ms; fails the test past ``limit_s``."""
         deadline, done = time.monotonic() + limit_s, {}
-        while len(done) < WORLD and time.monotonic() < deadline:
+        while len(done) < self.world and time.monotonic() < deadline:
             for r, p in enumerate(self.procs):
                 if r not in done and p.poll() is not None:
                     done[r] = time.monotonic()
             time.sleep(0.05)
-        missing = [r for r in range(WORLD) if r not in done]
+        missing = [r for r in range(self.world) if r not in done]
         assert not missing, f"ranks {missing} still running after {limit_s} s"
         return done
 

@@ -21,10 +21,14 @@ A checkpoint ``DIR/iter_NNNNNNN/`` holds, beside Megatron's files:
 - ``zpp_manifest.json``: size and SHA-256 of every file, written last. A load checks them all first, so a
   truncated or corrupted file is named in the error instead of failing deep inside DCP (or loading wrong bytes).
 
-Atomic saves: every rank writes into ``iter_NNNNNNN.partial/``; after a barrier rank 0 writes the manifest,
-renames the directory into place and only then points ``latest_checkpointed_iteration.txt`` (Megatron-LM's
-tracker file, replaced atomically) at it. A save killed midway leaves the tracker on the previous checkpoint,
-which stays loadable; the stale ``.partial`` directory is removed by the next save.
+Atomic saves: every rank writes into ``iter_NNNNNNN.partial/``; the ranks agree that each one wrote its
+share, rank 0 writes the manifest, every rank verifies its share of the files against it, the ranks agree
+again, and only then rank 0 renames the directory into place and points ``latest_checkpointed_iteration.txt``
+(Megatron-LM's tracker file, replaced atomically) at it. A step that fails on one rank is the same error on
+every rank (``agreement.py``) and the ``.partial`` directory is removed: a checkpoint is complete and verified,
+or absent. A save killed midway (SIGKILL) leaves the tracker on the previous checkpoint, which stays
+loadable; its stale ``.partial`` directory is removed by the next save. A load agrees likewise before any rank
+uses what it read.
 
 No arbitrary unpickling: tensors and the RNG/compression state load with ``torch.load(weights_only=True)``
 (torch's and Megatron's defaults), and DCP's ``.metadata`` pickle is first read by a restricted unpickler that
@@ -45,6 +49,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from megatron_zpp.training import faults
+from megatron_zpp.training.agreement import Agreement
 
 CKPT_FORMATS = ("torch_dist", "fsdp_dtensor")
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's name
@@ -269,71 +276,102 @@ def _state_dict_for(args, models, optimizer, scheduler, *, loading: bool) -> dic
     return state
 
 
-def save_checkpoint(args, iteration: int, models: list, optimizer, scheduler, hooks=None) -> Path:
-    """Save iteration ``iteration`` under ``args.save`` (collective: every rank calls it)."""
+def _agreement_for(agreement: Agreement | None) -> Agreement:
+    """The caller's agreement (the trainer's, which reaches blocked peers through the watchdog), else one of
+    this call's (agreement by all-reduce only)."""
+    if agreement is not None:
+        return agreement
+    return Agreement(device=torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
+                     else "cpu")
+
+
+def save_checkpoint(args, iteration: int, models: list, optimizer, scheduler, hooks=None, *,
+                    agreement: Agreement | None = None) -> Path:
+    """Save iteration ``iteration`` under ``args.save`` (collective: every rank calls it); raise the same error on
+    every rank when any rank fails, leaving no ``iter_NNNNNNN`` (nor ``.partial``) directory for it."""
     from megatron.core import dist_checkpointing
 
+    agreement = _agreement_for(agreement)
     rank = dist.get_rank()
     root = Path(args.save)
     final = root / f"iter_{iteration:07d}"
     partial = root / f"iter_{iteration:07d}.partial"
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if partial.exists():  # left by a save that was killed
-            shutil.rmtree(partial)
-        partial.mkdir()
-    dist.barrier()
 
-    _materialize_adam_state(optimizer)
-    state = _state_dict_for(args, models, optimizer, scheduler, loading=False)
-    state["opt_param_scheduler"] = scheduler.state_dict()
-    state["iteration"] = iteration
-    if args.ckpt_format == "torch_dist":
-        from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+    def discard() -> None:
+        shutil.rmtree(partial, ignore_errors=True)
 
-        # The content metadata (the optimizer's sharding type) tells a later load how to read the state back.
-        dist_checkpointing.save(state, str(partial), validate_access_integrity=True,
-                                content_metadata=_clean_metadata_for_serialization(_sharded_metadata(args)))
-    else:
-        import torch.distributed.checkpoint as dcp
+    with agreement.step("checkpoint save", local=True, on_failure=discard):
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            if partial.exists():  # left by a save that was killed
+                shutil.rmtree(partial)
+            partial.mkdir()
 
-        dcp.save(state, checkpoint_id=str(partial))
+    # The write is collective (DCP's planning and metadata exchange): a rank that fails inside publishes its
+    # error (its peers may be blocked in one of those collectives); on success the ranks confirm.
+    with agreement.step("checkpoint save", on_failure=discard):
+        _materialize_adam_state(optimizer)
+        state = _state_dict_for(args, models, optimizer, scheduler, loading=False)
+        state["opt_param_scheduler"] = scheduler.state_dict()
+        state["iteration"] = iteration
+        if args.ckpt_format == "torch_dist":
+            from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
 
-    rank_dir = partial / RANK_STATE
-    rank_dir.mkdir(exist_ok=True)
-    rank_state = {"layout": _layout(args), "rng": _rng_state(),
-                  "compression": hooks.state_dict() if hooks is not None else {}}
-    with (rank_dir / f"rank_{rank:05d}.pt").open("wb") as f:
-        torch.save(rank_state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    dist.barrier()
+            # The content metadata (the optimizer's sharding type) tells a later load how to read the state back.
+            dist_checkpointing.save(state, str(partial), validate_access_integrity=True,
+                                    content_metadata=_clean_metadata_for_serialization(_sharded_metadata(args)))
+        else:
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save(state, checkpoint_id=str(partial))
+
+        rank_dir = partial / RANK_STATE
+        rank_dir.mkdir(exist_ok=True)
+        rank_state = {"layout": _layout(args), "rng": _rng_state(),
+                      "compression": hooks.state_dict() if hooks is not None else {}}
+        with (rank_dir / f"rank_{rank:05d}.pt").open("wb") as f:
+            torch.save(rank_state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        faults.raise_if("save", iteration)
 
     if os.environ.get("ZPP_TEST_KILL_DURING_SAVE") == str(iteration) and rank == 0:
         _die_like_a_lost_node()  # tests: a kill after the data, before the commit
 
     # Every rank hashes its share of the files (rank 0 alone would keep the others at the barrier for as long
     # as hashing a large checkpoint takes, past collective timeouts).
-    files = sorted(str(p.relative_to(partial)) for p in partial.rglob("*") if p.is_file())
-    mine = {name: {"bytes": (partial / name).stat().st_size, "sha256": _file_digest(partial / name)}
-            for name in files[rank::dist.get_world_size()]}
+    with agreement.step("checkpoint save", local=True, on_failure=discard):
+        files = sorted(str(p.relative_to(partial)) for p in partial.rglob("*") if p.is_file())
+        mine = {name: {"bytes": (partial / name).stat().st_size, "sha256": _file_digest(partial / name)}
+                for name in files[rank::dist.get_world_size()]}
     shares: list = [None] * dist.get_world_size()
     dist.all_gather_object(shares, mine)
-    if rank == 0:
-        layout = _layout(args)
-        manifest = {"format": args.ckpt_format, "iteration": iteration, "padded_vocab_size": _padded_vocab(models),
-                    "layout": {k: v for k, v in layout.items() if k != "rank"},
-                    "files": {name: entry for share in shares for name, entry in sorted(share.items())}}
-        _write_atomically(partial / MANIFEST, json.dumps(manifest, indent=1))
-        old = root / f"iter_{iteration:07d}.old"
-        if final.exists():  # saving the same iteration again (a rerun): swap, then drop the old one
-            final.rename(old)
-        partial.rename(final)
-        _fsync_dir(root)
-        _write_atomically(root / TRACKER, str(iteration))
-        if old.exists():
-            shutil.rmtree(old)
-    dist.barrier()
+    with agreement.step("checkpoint save", local=True, on_failure=discard):
+        if rank == 0:
+            layout = _layout(args)
+            manifest = {"format": args.ckpt_format, "iteration": iteration, "padded_vocab_size": _padded_vocab(models),
+                        "layout": {k: v for k, v in layout.items() if k != "rank"},
+                        "files": {name: entry for share in shares for name, entry in sorted(share.items())}}
+            _write_atomically(partial / MANIFEST, json.dumps(manifest, indent=1))
+
+    # What was written reads back as the manifest says, on every rank's share, before anything points at it.
+    try:
+        verify_checkpoint(partial, iteration=iteration)
+    except Exception:
+        if rank == 0:
+            discard()  # every rank raises here (verification is agreed): nobody writes into it any more
+        raise
+
+    with agreement.step("checkpoint commit", local=True, on_failure=discard):
+        if rank == 0:
+            old = root / f"iter_{iteration:07d}.old"
+            if final.exists():  # saving the same iteration again (a rerun): swap, then drop the old one
+                final.rename(old)
+            partial.rename(final)
+            _fsync_dir(root)
+            _write_atomically(root / TRACKER, str(iteration))
+            if old.exists():
+                shutil.rmtree(old)
     return final
 
 
@@ -413,8 +451,36 @@ def _check_dcp_metadata(folder: Path) -> None:
         raise CheckpointError(f"{path}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
 
 
-def verify_checkpoint(folder: Path) -> None:
-    """Check every file against the manifest, spread over the ranks; raise on every rank if any fails."""
+def verify_checkpoint(folder: Path, *, iteration: int | None = None) -> None:
+    """Check every file against the manifest, spread over the ranks; raise the same :class:`CheckpointError` on
+    every rank if any fails, naming the rank that found each problem. ``iteration``: of the save being verified
+    (test fault injection)."""
+    try:
+        problems = _verify_share(folder, iteration)
+    except Exception as e:  # noqa: BLE001 - this rank could not check its share: a problem, agreed below
+        from megatron_zpp.training.agreement import describe
+
+        problems = [f"{folder}: could not be verified ({describe(e)})"]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, problems)
+    finders: dict[str, list[int]] = {}  # problem -> the ranks that found it, in rank order
+    for r, rank_problems in enumerate(gathered):
+        for p in rank_problems:
+            finders.setdefault(p, []).append(r)
+    world = dist.get_world_size()
+    found = [("every rank" if len(ranks) == world > 1 else
+              f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}") + f": {p}"
+             for p, ranks in finders.items()]
+    if found:
+        from megatron_zpp.training.agreement import mark_agreed
+
+        error = CheckpointError("checkpoint failed verification: " + "; ".join(found))
+        mark_agreed(error)
+        raise error
+
+
+def _verify_share(folder: Path, iteration: int | None) -> list[str]:
+    """The problems this rank finds in its share of ``folder``'s files."""
     manifest_path = folder / MANIFEST
     problems: list[str] = []
     if not folder.is_dir():
@@ -428,6 +494,8 @@ def verify_checkpoint(folder: Path) -> None:
             files = {}
             problems.append(f"{manifest_path}: unreadable ({e})")
         rank, world = dist.get_rank(), dist.get_world_size()
+        if iteration is not None:
+            faults.corrupt_first_file([folder / name for name in sorted(files)[rank::world]], iteration)
         for name in sorted(files)[rank::world]:
             expected, path = files[name], folder / name
             if not path.exists():
@@ -442,11 +510,7 @@ def verify_checkpoint(folder: Path) -> None:
                 _check_dcp_metadata(folder)
             except CheckpointError as e:
                 problems.append(str(e))
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, problems)
-    found = sorted({p for rank_problems in gathered for p in rank_problems})
-    if found:
-        raise CheckpointError("checkpoint failed verification: " + "; ".join(found))
+    return problems
 
 
 def _load_sharded(args, folder: Path, state: dict, models, optimizer) -> dict:
@@ -458,15 +522,7 @@ def _load_sharded(args, folder: Path, state: dict, models, optimizer) -> dict:
         dcp.load(state, checkpoint_id=str(folder))
         return state
     content = dist_checkpointing.load_content_metadata(str(folder)) or {}
-    saved_sharding = content.get("distrib_optim_sharding_type")
-    if saved_sharding == "dp_reshardable":
-        saved = json.loads((folder / MANIFEST).read_text()).get("layout", {})
-        now = _layout(args)
-        if (saved.get("tp"), saved.get("pp")) != (now["tp"], now["pp"]):
-            raise CheckpointError(
-                f"--load {args.load}: the distributed optimizer was saved dp_reshardable at TP{saved.get('tp')} x "
-                f"PP{saved.get('pp')}, which reshards across data parallelism only; this run is TP{now['tp']} x "
-                f"PP{now['pp']}. Save with --dist-ckpt-optim-fully-reshardable to change TP/PP")
+    saved_sharding = content.get("distrib_optim_sharding_type")  # checked against this layout: _check_loadable
     if saved_sharding is not None:
         # Load in the format it was saved in (as Megatron-LM does); this run's sharding applies to saves.
         metadata = dict(_sharded_metadata(args), distrib_optim_sharding_type=saved_sharding)
@@ -475,26 +531,57 @@ def _load_sharded(args, folder: Path, state: dict, models, optimizer) -> dict:
     return dist_checkpointing.load(state, str(folder), validate_access_integrity=True)
 
 
-def load_checkpoint(args, models: list, optimizer, scheduler, hooks=None, log=print) -> int:
-    """Load the checkpoint ``args.load``'s tracker names (on any layout); return its iteration."""
-    from megatron.core import dist_checkpointing
-
-    iteration = read_tracker(args.load)
-    folder = Path(args.load) / f"iter_{iteration:07d}"
+def load_checkpoint(args, models: list, optimizer, scheduler, hooks=None, log=print, *,
+                    agreement: Agreement | None = None) -> int:
+    """Load the checkpoint ``args.load``'s tracker names (on any layout); return its iteration. Every rank agrees
+    that each one found it, verified it and loaded it before any goes on (the same error on every rank else)."""
+    agreement = _agreement_for(agreement)
+    iteration = folder = None
+    # Local reads first (a shared file system may show one rank something else), agreed before any collective.
+    with agreement.step("checkpoint load", local=True):
+        iteration = read_tracker(args.load)
+        folder = Path(args.load) / f"iter_{iteration:07d}"
     verify_checkpoint(folder)
-    saved_format = json.loads((folder / MANIFEST).read_text()).get("format")
+    with agreement.step("checkpoint load", local=True):
+        _check_loadable(args, folder, models)
+    # The read is collective (DCP); on success the ranks confirm before any uses it.
+    with agreement.step("checkpoint load"):
+        faults.raise_if("load", iteration)
+        _load_into(args, folder, iteration, models, optimizer, scheduler, hooks, log)
+    return iteration
+
+
+def _check_loadable(args, folder: Path, models) -> None:
+    """What a load can tell from the manifest alone: the format, the vocabulary padding, the optimizer's
+    sharding against this layout (the same answer on every rank)."""
+    manifest = json.loads((folder / MANIFEST).read_text())
+    saved_format = manifest.get("format")
     if saved_format != args.ckpt_format:
         raise CheckpointError(f"--load {args.load}: saved with --ckpt-format {saved_format}, this run uses "
                               f"{args.ckpt_format} (valid: {', '.join(CKPT_FORMATS)}; Megatron-FSDP needs fsdp_dtensor)")
-
-    _materialize_adam_state(optimizer)
-    saved_vocab = json.loads((folder / MANIFEST).read_text()).get("padded_vocab_size")
+    saved_vocab = manifest.get("padded_vocab_size")
     if saved_vocab is not None and saved_vocab != _padded_vocab(models):
         raise CheckpointError(
             f"--load {args.load}: saved with a padded vocabulary of {saved_vocab} rows, this run pads to "
             f"{_padded_vocab(models)} (--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by} x TP "
             f"{args.tensor_model_parallel_size}); the extra rows would change every softmax. Pick "
             "--make-vocab-size-divisible-by so that both layouts pad alike (e.g. a multiple of the larger TP)")
+    if args.ckpt_format == "torch_dist":
+        from megatron.core import dist_checkpointing
+
+        content = dist_checkpointing.load_content_metadata(str(folder)) or {}
+        if content.get("distrib_optim_sharding_type") == "dp_reshardable":
+            saved = manifest.get("layout", {})
+            now = _layout(args)
+            if (saved.get("tp"), saved.get("pp")) != (now["tp"], now["pp"]):
+                raise CheckpointError(
+                    f"--load {args.load}: the distributed optimizer was saved dp_reshardable at TP{saved.get('tp')} x "
+                    f"PP{saved.get('pp')}, which reshards across data parallelism only; this run is TP{now['tp']} x "
+                    f"PP{now['pp']}. Save with --dist-ckpt-optim-fully-reshardable to change TP/PP")
+
+
+def _load_into(args, folder: Path, iteration: int, models, optimizer, scheduler, hooks, log) -> None:
+    _materialize_adam_state(optimizer)
     state = _state_dict_for(args, models, optimizer, scheduler, loading=True)
     state["opt_param_scheduler"] = scheduler.state_dict()  # non-tensor entries come back in place
     try:
@@ -539,5 +626,4 @@ def load_checkpoint(args, models: list, optimizer, scheduler, hooks=None, log=pr
             log(f"> checkpoint layout {saved} differs from this run's {_layout(args)}: weights, optimizer and scheduler "
                 "resharded; RNG re-seeded from --seed and the iteration; error-feedback residuals (if any) restart "
                 "from zero")
-    return iteration
 

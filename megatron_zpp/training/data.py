@@ -362,6 +362,8 @@ def build_datasets(args, tokenizer) -> Data:
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
+    from megatron_zpp.training.agreement import mark_agreed
+
     blend, blend_per_split, split = args.blend, args.blend_per_split, args.split
     source = None
     if blend is None and blend_per_split is None:
@@ -370,7 +372,11 @@ def build_datasets(args, tokenizer) -> Data:
         dist.barrier()
         blend, source = ([str(builtin_corpus_prefix())], None), "built-in corpus (Python stdlib sources)"
     prefixes = blend_prefixes(blend, blend_per_split)
-    check_splits(blend, blend_per_split, split, args.seq_length)
+    try:
+        check_splits(blend, blend_per_split, split, args.seq_length)
+    except ValueError as e:
+        mark_agreed(e)  # from the flags and the data: the same on every rank (agreement.py)
+        raise
     # One rank reads the data for its largest id (cached for large files); all ranks raise the same error.
     verdict = [None]
     if dist.get_rank() == 0:
@@ -380,7 +386,9 @@ def build_datasets(args, tokenizer) -> Data:
             verdict = [str(e)]
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
-        raise ValueError(verdict[0])
+        error = ValueError(verdict[0])
+        mark_agreed(error)  # every rank raises rank 0's verdict
+        raise error
 
     path_to_cache = Path(args.data_cache_path) if args.data_cache_path else index_cache_dir(prefixes)
     config = GPTDatasetConfig(

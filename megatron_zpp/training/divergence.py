@@ -13,7 +13,9 @@ same numbers:
 switches every lossy dimension of the policy (``MegatronHooks.lossy_dimensions``) to uncompressed for
 ``fallback_iters`` iterations, zeroes the error-feedback residuals (a NaN would stay in them), logs the
 event on every rank and to W&B, then resumes compression. The switch happens between iterations, on
-every rank at the same iteration, so both ends of every collective agree on its codec.
+every rank at the same iteration, so both ends of every collective agree on its codec; the ranks confirm
+that each of them switched (``agreement.py``: a switch that fails on one rank is the same error on every
+rank, before any collective runs with mismatched codecs).
 
 Under ``--fp16`` an overflow is the loss scaler's routine business (Megatron skips the step and lowers
 the scale); the guard then acts on the loss and on spikes only.
@@ -75,8 +77,11 @@ class DivergenceGuard:
     """
 
     def __init__(self, config: DivergenceGuardConfig, hooks, *, device: torch.device, fp16: bool,
-                 log=print, wandb_log=None) -> None:
+                 log=print, wandb_log=None, agreement=None) -> None:
+        from megatron_zpp.training.agreement import Agreement
+
         self.config = config
+        self.agreement = agreement or Agreement(device=device)
         self.hooks = hooks
         self.device = device
         self.fp16 = fp16
@@ -122,7 +127,7 @@ class DivergenceGuard:
         """Before 1-based ``iteration``: resume compression when the fallback is over."""
         if self.suspended_until is not None and iteration >= self.suspended_until:
             self.suspended_until = None
-            self.hooks.suspend_lossy(False)
+            self._switch(False)
             self._event(iteration, "fallback over", "compressing again")
         if self.suspended_until is not None:
             self.uncompressed_iterations.append(iteration)
@@ -166,10 +171,16 @@ class DivergenceGuard:
         """The trainer reloaded the checkpoint of ``iteration``: run uncompressed from the next one on."""
         self.suspended_until = iteration + 1 + self.config.fallback_iters
         if self.hooks.lossy_dimensions:
-            self.hooks.suspend_lossy(True)
+            self._switch(True)
         self._event(iteration + 1, f"reloaded the checkpoint of iteration {iteration}",
                     f"rerunning from iteration {iteration + 1}, uncompressed through iteration "
                     f"{self.suspended_until - 1}")
+
+    def _switch(self, suspended: bool) -> None:
+        """Switch the lossy dimensions off (``True``) or on, and confirm that every rank did (one all-reduce,
+        at a switch only: every rank switches at the same iteration, decided on world-reduced values)."""
+        with self.agreement.step("policy switch", local=True):
+            self.hooks.suspend_lossy(suspended)
 
     def _spike(self, what: str, value: float, history: list[float]) -> str | None:
         if len(history) < self.config.min_history:
@@ -188,7 +199,7 @@ class DivergenceGuard:
         dims = self.hooks.lossy_dimensions
         self.suspended_until = iteration + 1 + self.config.fallback_iters
         if dims:
-            self.hooks.suspend_lossy(True)
+            self._switch(True)
             action = (f"lossy dimensions {', '.join(dims)} uncompressed for {self.config.fallback_iters} "
                       f"iterations (iterations {iteration + 1}-{self.suspended_until - 1})")
         else:

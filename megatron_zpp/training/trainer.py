@@ -17,8 +17,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import signal
-import threading
 import time
 import warnings
 from functools import partial
@@ -27,6 +25,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_zpp.training import faults
+from megatron_zpp.training.agreement import Agreement, StepFailedError, communication_error, describe, is_agreed
 from megatron_zpp.training.arguments import build_parser, validate_args
 from megatron_zpp.training.divergence import DivergenceGuard, divergence_config_from_args
 from megatron_zpp.training.data import build_datasets, micro_batches
@@ -56,73 +56,24 @@ def _init_distributed(args) -> torch.device:
 def _loss_func(loss_mask, output_tensor):
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask) * _injected_loss_factor()
+    loss = torch.sum(losses * mask) * faults.loss_factor()
     num_tokens = mask.sum().to(torch.int)
     return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.float().view(1)])}
 
 
-def _forward_step(device, on_micro_batch, data_iterator, model):
-    _injected_process_fault()
-    batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
+def _forward_step(device, on_micro_batch, agreement, data_iterator, model):
+    faults.process_fault()
+    # No confirmation per micro-batch: the iteration's own collectives follow; a failure is published.
+    with agreement.step("data loading", confirm=False):
+        faults.raise_if("data")
+        batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     on_micro_batch()
     return output, partial(_loss_func, batch["loss_mask"])
 
 
-# Test-only fault injection (tests/test_reliability.py), read from ZPP_TEST_FAULT at each use:
-#   kill:RANK:ITER   rank RANK SIGKILLs itself in its first forward of 1-based iteration ITER
-#   hang:RANK:ITER   rank RANK blocks forever there (a rank stuck before its next collective)
-#   spike:ITER       every rank's loss (and so its gradients) x 100 at iteration ITER
-#   nan:RANK:ITER    rank RANK's loss (and so, through the gradient reduction, everyone's gradients) NaN
-_fault_state = {"iteration": 0, "micro_batch": 0, "spec": None}
-_FAULT_KINDS = ("kill", "hang", "spike", "nan")
-
-
-def _parse_fault(spec: str | None) -> tuple[str, int | None, int] | None:
-    """``ZPP_TEST_FAULT`` -> (kind, rank or None, iteration); read once per run, errors name the value."""
-    if not spec:
-        return None
-    kind, *numbers = spec.split(":")
-    try:
-        rank, iteration = (None, int(numbers[0])) if len(numbers) == 1 else (int(numbers[0]), int(numbers[1]))
-    except (ValueError, IndexError):
-        rank = iteration = None
-    if kind not in _FAULT_KINDS or iteration is None or len(numbers) > 2:
-        raise ValueError(f"ZPP_TEST_FAULT={spec!r}: expected KIND:ITER or KIND:RANK:ITER, KIND one of "
-                         f"{', '.join(_FAULT_KINDS)}")
-    return kind, rank, iteration
-
-
-def _fault(kinds: tuple[str, ...]) -> tuple[str, int | None] | None:
-    spec = _fault_state["spec"]
-    if spec is None:
-        return None
-    kind, rank, iteration = spec
-    if kind not in kinds or iteration != _fault_state["iteration"] or rank not in (None, dist.get_rank()):
-        return None
-    return kind, rank
-
-
-def _injected_process_fault() -> None:
-    first = _fault_state["micro_batch"] == 0
-    _fault_state["micro_batch"] += 1
-    fault = _fault(("kill", "hang")) if first else None
-    if fault:
-        print(f"[fault injection] rank {dist.get_rank()}: {fault[0]} at iteration {_fault_state['iteration']}",
-              flush=True)
-    if fault and fault[0] == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif fault:
-        threading.Event().wait()  # forever: only the watchdog's os._exit (or a signal) ends this process
-
-
 def _nothing() -> None:
     pass
-
-
-def _injected_loss_factor() -> float:
-    fault = _fault(("spike", "nan"))
-    return 1.0 if fault is None else (100.0 if fault[0] == "spike" else float("nan"))
 
 
 def _quiet_known_warnings() -> None:
@@ -171,7 +122,8 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
     watchdog = RankWatchdog(rank_failure_config_from_args(args))
     watchdog.coarse = args.pipeline_model_parallel_size > 1
     watchdog.start()
-    _fault_state["spec"] = _parse_fault(os.environ.get("ZPP_TEST_FAULT"))
+    agreement = Agreement(device=device, watchdog=watchdog)
+    faults.configure(os.environ.get("ZPP_TEST_FAULT"))
 
     try:
         parallel_state.initialize_model_parallel(
@@ -184,7 +136,8 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         # Megatron-LM's embedding size: the tokenizer's vocabulary padded to divisible-by x TP.
         args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                                    args.tensor_model_parallel_size)
-        data = build_datasets(args, tokenizer)  # first: a bad dataset fails before the model is built
+        with agreement.step("data loading"):
+            data = build_datasets(args, tokenizer)  # first: a bad dataset fails before the model is built
         config, chunks = build_model(args, device, impl, fusions)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=args.overlap_grad_reduce,
@@ -236,14 +189,16 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             # Registered after Megatron's hooks: digests the weights each module actually uses.
             replica_check = ReplicaWeightCheck(models, parallel_state.get_data_parallel_group())
 
-        guard = DivergenceGuard(divergence_config_from_args(args), hooks, device=device, fp16=args.fp16, log=log)
+        guard = DivergenceGuard(divergence_config_from_args(args), hooks, device=device, fp16=args.fp16, log=log,
+                                agreement=agreement)
         guard.install(optimizer)
+        faults.install_policy_faults(hooks)
 
         start_iteration = 0
         if args.load:
             from megatron_zpp.training.checkpoint import load_checkpoint
 
-            start_iteration = load_checkpoint(args, models, optimizer, scheduler, hooks, log=log)
+            start_iteration = load_checkpoint(args, models, optimizer, scheduler, hooks, log=log, agreement=agreement)
             hooks.invalidate_secondary()
 
         dp_rank = parallel_state.get_data_parallel_rank()
@@ -263,7 +218,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             guard.wandb_log = lambda values, step: logger.wandb.log(values, step=step)
 
         def on_micro_batch():
-            watchdog.progress(args.curr_iteration + 1, _fault_state["micro_batch"])
+            watchdog.progress(args.curr_iteration + 1, faults.state["micro_batch"])
 
         losses = []
         valid_batches = None  # one validation stream for every evaluation, as Megatron-LM's
@@ -283,21 +238,23 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         while iteration + 1 < args.train_iters:
             iteration += 1
             args.curr_iteration = iteration
-            _fault_state.update(iteration=iteration + 1, micro_batch=0)
+            faults.state.update(iteration=iteration + 1, micro_batch=0)
             watchdog.progress(iteration + 1, 0)
             guard.begin(iteration + 1)  # before any collective: the codecs of this step
             hooks.ensure_policy_agreed()  # once, world-wide; here every rank is at the same point
             hooks.sync_iteration()  # schedule and rounding seeds for this step, before any collective
             t0 = time.perf_counter()
-            for m in models:
-                m.zero_grad_buffer()
-            optimizer.zero_grad()
-            reduced = forward_backward(forward_step_func=partial(_forward_step, device, on_micro_batch),
-                                       data_iterator=batches,
-                                       model=models, num_microbatches=args.num_microbatches,
-                                       seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                                       forward_only=False)
-            update_ok, grad_norm, _ = optimizer.step()
+            # A failure on one rank (a corrupt payload its receiver alone sees, ...) is published to the peers,
+            # which are blocked in the step's collectives; no confirmation: the loss reduction follows.
+            with agreement.step(f"training iteration {iteration + 1}", confirm=False):
+                for m in models:
+                    m.zero_grad_buffer()
+                optimizer.zero_grad()
+                reduced = forward_backward(
+                    forward_step_func=partial(_forward_step, device, on_micro_batch, agreement), data_iterator=batches,
+                    model=models, num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                    micro_batch_size=args.micro_batch_size, forward_only=False)
+                update_ok, grad_norm, _ = optimizer.step()
             hooks.invalidate_secondary()  # also done by the weight-install hook; explicit for clarity
             if update_ok:  # as Megatron-LM: a skipped step (overflow, non-finite gradients) leaves the schedule
                 scheduler.step(increment=args.global_batch_size)
@@ -310,7 +267,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
                              time.perf_counter() - t0, update_ok, hooks.hpz_bytes)
             if diverged and guard.config.reload:
                 with watchdog.paused():
-                    back = _reload_after_divergence(args, models, optimizer, scheduler, hooks, guard, log)
+                    back = _reload_after_divergence(args, models, optimizer, scheduler, hooks, guard, log, agreement)
                 if back is not None:  # rewind: the data, the losses and the guard's fallback restart from there
                     guard.rewound(back)
                     del losses[max(0, back - start_iteration):]
@@ -319,7 +276,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
                     continue
             if args.save and args.save_interval and (iteration + 1) % args.save_interval == 0:
                 with watchdog.paused():
-                    _save(args, iteration + 1, models, optimizer, scheduler, hooks)
+                    _save(args, iteration + 1, models, optimizer, scheduler, hooks, agreement)
                 saved_iteration = iteration + 1
             done = iteration + 1
             if args.exit_interval and done % args.exit_interval == 0 and done < args.train_iters:
@@ -331,13 +288,13 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
                     and done < args.train_iters:
                 with watchdog.paused():
                     loss_now = _evaluate_during_training(args, models, valid_batches, forward_backward, device,
-                                                         parallel_state)
+                                                         parallel_state, agreement)
                 if rank == 0:
                     log(f"> validation loss at iteration {done}: {loss_now:.6f}")
         logger.end_training()  # per-iteration bytes: the loop only, not the final sync and evaluation
         watchdog.loop_done()  # the final save and evaluation have no stall timeout; heartbeats go on
         if args.save and saved_iteration != last_iteration:
-            _save(args, last_iteration, models, optimizer, scheduler, hooks)
+            _save(args, last_iteration, models, optimizer, scheduler, hooks, agreement)
         if args.use_distributed_optimizer or args.use_megatron_fsdp:
             # Overlap leaves params stale until the next forward, and FSDP keeps them sharded:
             # gather them (with the policy's codec) so replicas can be compared.
@@ -345,7 +302,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
                 m.start_param_sync(force_sync=True)
         valid_loss = None
         if valid_batches is not None:
-            valid_loss = evaluate(args, models, valid_batches, forward_backward, device, parallel_state)
+            valid_loss = evaluate(args, models, valid_batches, forward_backward, device, parallel_state, agreement)
         if replica_check is not None:
             replica_check.remove()
         summary = logger.finish(losses, models, hooks, valid_loss=valid_loss,
@@ -360,9 +317,20 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             Path(args.summary_json).write_text(json.dumps(summary, indent=1, default=str))
         return summary
     except Exception as e:
+        if isinstance(e, StepFailedError) or is_agreed(e):
+            # Agreed (every rank raises it now) or reported already (the peers were told and have given up).
+            watchdog.main_thread_exiting()
+            watchdog.linger_if_store_host()
+            raise
+        if not communication_error(e):
+            # This rank's own error outside the named steps: tell the peers (they may wait in a collective),
+            # then raise it as it is.
+            agreement.report(StepFailedError("training", {rank: describe(e)}, rank))
+            watchdog.linger_if_store_host()
+            raise
         # A collective that failed because a peer died names no rank; the heartbeats do. Only communication
         # errors are looked at, and a finding that names this very rank (its own error put it behind) is not one.
-        found = watchdog.find_failed() if watchdog.enabled and _communication_error(e) else None
+        found = watchdog.find_failed() if watchdog.enabled else None
         detail = found[1] if found and rank not in found[0] else None
         if detail:
             log(f"[rank watchdog] rank {rank}: {detail}")
@@ -376,17 +344,6 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         if hooks.installed:
             hooks.uninstall()
         parallel_state.destroy_model_parallel()
-
-
-def _communication_error(e: BaseException) -> bool:
-    """Whether ``e`` came from torch.distributed (NCCL/gloo backend, store, network), by type or, for gloo's
-    plain RuntimeErrors, by its message."""
-    if isinstance(e, (dist.DistBackendError, dist.DistStoreError, dist.DistNetworkError)):
-        return True
-    text = str(e)
-    return isinstance(e, RuntimeError) and any(
-        marker in text for marker in ("gloo", "Connection reset", "Connection closed", "Connection refused",
-                                      "Timed out", "timed out", "NCCL", "Broken pipe"))
 
 
 def _unwrap(module):
@@ -407,20 +364,21 @@ def _all_ranks_finite(optimizer, device) -> bool:
 
 
 @torch.no_grad()
-def _evaluate_during_training(args, models, batches, forward_backward, device, parallel_state) -> float:
+def _evaluate_during_training(args, models, batches, forward_backward, device, parallel_state,
+                              agreement=None) -> float:
     """``--eval-interval``: with overlapped parameter gathers the weights of the last step are still being
     gathered; Megatron-LM syncs them (``disable_forward_pre_hook``) for the evaluation, then restores."""
     hooked = [m for m in models if args.overlap_param_gather and hasattr(m, "disable_forward_pre_hook")]
     for m in hooked:
         m.disable_forward_pre_hook(param_sync=True)
     try:
-        return evaluate(args, models, batches, forward_backward, device, parallel_state)
+        return evaluate(args, models, batches, forward_backward, device, parallel_state, agreement)
     finally:
         for m in hooked:
             m.enable_forward_pre_hook()
 
 
-def _reload_after_divergence(args, models, optimizer, scheduler, hooks, guard, log) -> int | None:
+def _reload_after_divergence(args, models, optimizer, scheduler, hooks, guard, log, agreement=None) -> int | None:
     """``--zpp-divergence-reload``: load the last complete checkpoint of ``--save`` (else ``--load``); its
     iteration, or None when there is none or it was reloaded once already (a spike that comes back after a
     reload is the data's, not the codec's: the fallback alone handles it, instead of a loop of reloads)."""
@@ -443,13 +401,13 @@ def _reload_after_divergence(args, models, optimizer, scheduler, hooks, guard, l
     guard.reloaded.add(latest)
     reload_args = copy.copy(args)
     reload_args.load = folder
-    iteration = load_checkpoint(reload_args, models, optimizer, scheduler, hooks, log=log)
+    iteration = load_checkpoint(reload_args, models, optimizer, scheduler, hooks, log=log, agreement=agreement)
     hooks.invalidate_secondary()
     log(f"[divergence guard] rank {dist.get_rank()}: reloaded {folder} at iteration {iteration}")
     return iteration
 
 
-def _save(args, iteration, models, optimizer, scheduler, hooks) -> None:
+def _save(args, iteration, models, optimizer, scheduler, hooks, agreement=None) -> None:
     """A checkpoint of the weights the optimizer just produced: with overlapped parameter gathers the modules
     still hold the previous step's until their next forward, so sync them first (as Megatron-LM does)."""
     from megatron_zpp.training.checkpoint import save_checkpoint
@@ -458,19 +416,21 @@ def _save(args, iteration, models, optimizer, scheduler, hooks) -> None:
     for m in hooked:
         m.disable_forward_pre_hook(param_sync=True)
     try:
-        save_checkpoint(args, iteration, models, optimizer, scheduler, hooks)
+        save_checkpoint(args, iteration, models, optimizer, scheduler, hooks, agreement=agreement)
     finally:
         for m in hooked:
             m.enable_forward_pre_hook()
 
 
-def evaluate(args, models, batches, forward_backward, device, parallel_state) -> float:
+def evaluate(args, models, batches, forward_backward, device, parallel_state, agreement=None) -> float:
     """Mean token loss over ``--eval-iters`` global batches of the validation split (forward only)."""
+    agreement = agreement or Agreement(device=device)
     for m in models:
         m.eval()
     totals = []
     for _ in range(args.eval_iters):
-        reduced = forward_backward(forward_step_func=partial(_forward_step, device, _nothing), data_iterator=batches,
+        reduced = forward_backward(forward_step_func=partial(_forward_step, device, _nothing, agreement),
+                                   data_iterator=batches,
                                    model=models, num_microbatches=args.num_microbatches, seq_length=args.seq_length,
                                    micro_batch_size=args.micro_batch_size, forward_only=True)
         totals.append(_reduce_loss(reduced, parallel_state))

@@ -16,6 +16,11 @@ separates a rank stuck before a collective from those waiting inside it). Two wa
   heartbeat stopped, or those behind the others, prints it and ends the process (``os._exit``: the
   main thread may be blocked inside a C++ collective that no Python exception can interrupt).
 
+What one rank finds (or a step failure it reports, ``agreement.py``) is published in the store as the
+run's verdict, first finding wins; every other rank's thread reads it at each heartbeat and ends its
+process with it (at the first heartbeat that sees it; at the second for a failure its own rank reported),
+so a rank blocked in a collective that will never complete exits within one or two intervals.
+
 Under torchrun a dead worker also makes its node's agent stop the node's other workers; the watchdog
 is what tells the other nodes' ranks, and the log reader, which rank it was. Restart with torchrun's
 ``--max-restarts N`` and ``--load`` on the ``--save`` directory: the run resumes from the last complete
@@ -136,6 +141,12 @@ class RankWatchdog:
         self._gone: set[int] = set()
         self._paused = 0
         self._explaining = False
+        # The main thread is handling a failure (its own, or one every rank raised): it ends the process, not
+        # this thread, which only goes on beating (``main_thread_exiting``).
+        self._main_exiting = False
+        self._verdict_seen = 0  # consecutive heartbeats that found a verdict
+        self._last_finder: int | None = None
+        self._last_named: list[int] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -213,11 +224,18 @@ class RankWatchdog:
                 self._beat()
                 verdict = self._verdict()
             except Exception as e:  # noqa: BLE001 - any store failure means its host is gone
-                if self._explaining:  # the main thread is naming the failed rank; let it finish
+                if self._explaining or self._main_exiting:  # the main thread is naming the failed rank or exiting
                     continue
                 self._abort(f"the rendezvous store is unreachable ({type(e).__name__}: {e}); it is hosted by rank 0 "
                             "or the launcher's agent, which has most likely died")
-            if verdict is not None and not self._explaining:
+            if self._main_exiting:
+                continue
+            self._verdict_seen = self._verdict_seen + 1 if verdict is not None else 0
+            # A failure its own rank reported (agreement.py) is acted on at the second heartbeat that sees it:
+            # an error that every rank raises at about the same point (a user error) is then raised by each
+            # rank's main thread, instead of this thread ending the ranks that were a moment behind.
+            patience = 2 if verdict is not None and self._self_reported else 1
+            if verdict is not None and not self._explaining and self._verdict_seen >= patience:
                 self.mark_exiting()
                 self.linger_if_store_host()  # rank 0 too may learn of the failure from the verdict
                 self._abort(verdict)
@@ -241,18 +259,54 @@ class RankWatchdog:
         found = self._published()
         return None if found is None else found[1]
 
+    @property
+    def _self_reported(self) -> bool:
+        return self._last_finder is not None and self._last_named == [self._last_finder]
+
     def _published(self) -> tuple[list[int], str] | None:
         if not self.store.check(["verdict"]):
             return None
         finder, ranks, detail = self.store.get("verdict").decode().split("|", 2)
-        return [int(r) for r in ranks.split(",") if r], f"{detail} (found by rank {finder})"
+        named = [int(r) for r in ranks.split(",") if r]
+        self._last_finder, self._last_named = int(finder), named
+        # A rank reporting its own failure names itself already.
+        return named, detail if named == [int(finder)] else f"{detail} (found by rank {finder})"
 
     def publish(self, detail: str, ranks: list[int] = ()) -> None:
-        """Tell every rank's watchdog what failed (best effort: the store may be going down)."""
+        """Tell every rank's watchdog what failed (best effort: the store may be going down). The first
+        verdict stays: every rank then tells the same story, the root cause rather than its consequences."""
         try:
-            self.store.set("verdict", f"{self.rank}|{','.join(map(str, ranks))}|{detail}")
+            self.store.compare_set("verdict", "", f"{self.rank}|{','.join(map(str, ranks))}|{detail}")
         except Exception:  # noqa: BLE001
             pass
+
+    def report_failure(self, detail: str, ranks: list[int]) -> None:
+        """This rank failed (``detail`` names it and the error): publish it, and leave its own exit to the
+        main thread, which raises the error (``agreement.py``)."""
+        self.main_thread_exiting()
+        self.publish(detail, ranks)
+
+    def main_thread_exiting(self) -> None:
+        """The main thread is raising an error and will end the process: from now on this thread only beats
+        (it neither acts on a verdict nor on the store's end, which rank 0's exit may bring any moment), and
+        the peers' looks at the heartbeats do not count this rank as failed."""
+        self._main_exiting = True
+        self.mark_exiting()
+
+    def wait_for_peers_to_exit(self) -> None:
+        """After :meth:`report_failure`: wait (bounded by the look at the heartbeats) until every other rank
+        has read the verdict and is exiting. Rank 0 may host the store, which its exit takes down, and a failed
+        rank's cleanup must not race a peer still writing."""
+        if not self.enabled:
+            return
+        deadline = time.monotonic() + (LOOK_INTERVALS + 2) * self.config.heartbeat_interval
+        waiting = [r for r in range(self.world) if r != self.rank]
+        while waiting and time.monotonic() < deadline:
+            try:
+                waiting = [r for r in waiting if not self.store.check([f"exiting{r}"])]
+            except Exception:  # noqa: BLE001
+                return
+            time.sleep(0.1)
 
     def mark_exiting(self) -> None:
         try:
