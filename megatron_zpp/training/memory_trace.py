@@ -71,9 +71,9 @@ def resident_split() -> dict[str, int] | None:
         return None
     out = {}
     for line in lines:
-        name, _, rest = line.partition(" ")
-        if name in _STATUS_FIELDS:
-            out[_STATUS_FIELDS[name]] = int(rest.split()[0]) * 1024  # kB
+        name, _, rest = line.partition(":")
+        if name + ":" in _STATUS_FIELDS:
+            out[_STATUS_FIELDS[name + ":"]] = int(rest.split()[0]) * 1024  # "RssAnon:\t  1234 kB"
     return out if len(out) == len(_STATUS_FIELDS) else None
 
 
