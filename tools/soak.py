@@ -304,7 +304,8 @@ def row(r: RunResult) -> list[str]:
 
     return [r.name, str(r.steps), num(r.seconds, ".0f"), num(r.seconds_per_step, ".3f"), num(r.final_loss, ".4f"),
             "yes" if r.finite else "no", num(r.rss_mb_warmup_end, ".1f"), num(r.rss_mb_end, ".1f"),
-            num(r.rss_slope_mb_per_100, "+.3f"), num(r.anon_slope_mb_per_100, "+.3f"), num(r.heap_slope_mb_per_100, "+.3f"), str(r.scratch_bytes_warmup_end), str(r.scratch_bytes_max_after),
+            num(r.rss_slope_mb_per_100, "+.3f"), num(r.anon_slope_mb_per_100, "+.3f"),
+            num(r.heap_slope_mb_per_100, "+.3f"), str(r.scratch_bytes_warmup_end), str(r.scratch_bytes_max_after),
             "yes" if r.bytes_consistent else "no", "ok" if r.ok else "FAIL"]
 
 
