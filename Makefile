@@ -89,9 +89,10 @@ test-oldest-torch:
 	cd $(OLDEST_SRC) && ZPP_EXPECT_TORCH=$(OLDEST_TORCH) ZPP_EXPECT_MCORE=$(OLDEST_MCORE) \
 		../bin/python -m pytest -q -p no:cacheprovider $(OLDEST_TESTS) $(ARGS)
 
-# Soak (tools/soak.py): 1000 steps of every policy preset, and zeropp on Megatron-FSDP, on a tiny GPT with 4 CPU
-# ranks (2 simulated nodes x 2); fails on a NaN, a failed run, scratch pools growing after warm-up or byte
-# counters that drift; prints the resident-memory slope. About 15-20 minutes on 2 cores; results in $(SOAK_OUT).
+# Soak (tools/soak.py): 2000 steps of every policy preset, and zeropp on Megatron-FSDP, on a tiny GPT with 4 CPU
+# ranks (2 simulated nodes x 2); fails on a NaN, a failed run, scratch pools growing after warm-up, byte counters
+# that drift, or anonymous resident memory growing faster than 0.2 MB per 100 steps after warm-up
+# (docs/soak/README.md). About 30-50 minutes on 2 idle cores (1000 steps took 25); results in $(SOAK_OUT).
 SOAK_OUT ?= out/soak
 soak: $(STAMP)
 	$(PY) tools/soak.py --out $(SOAK_OUT) $(ARGS)

@@ -22,6 +22,7 @@ import psutil
 import torch.distributed as dist
 
 from megatron_zpp.comm import TagStats, scratch_pool_usage
+from megatron_zpp.training.memory_trace import AllocationTracer, heap_usage, resident_split
 
 MB = 1e6
 
@@ -38,11 +39,26 @@ class ResourceSampler:
         self.scratch_cached_buffers: list[int] = []
         self.scratch_pools: list[int] = []
         self.hpz_bytes: list[int] = []
+        # The C heap's counters (glibc): in use flat while RSS grows is the allocator, not a leak.
+        self.heap_in_use_bytes: list[int] = []
+        self.heap_held_bytes: list[int] = []
+        # Resident memory by kind: anonymous (where a leak shows) and file-backed (library code paged in).
+        self.rss_anon_bytes: list[int] = []
+        self.rss_file_bytes: list[int] = []
+        self._tracer = AllocationTracer.from_env(dist.get_rank() if dist.is_initialized() else 0)
 
     def sample(self, iteration: int, hpz_bytes: int = 0) -> None:
+        if self._tracer is not None:
+            self._tracer.sample(iteration)
         pools = scratch_pool_usage()
+        heap = heap_usage() or {"in_use": 0, "held": 0}
         self.iterations.append(iteration)
         self.rss_bytes.append(self._process.memory_info().rss)
+        self.heap_in_use_bytes.append(heap["in_use"])
+        self.heap_held_bytes.append(heap["held"])
+        split = resident_split() or {"anon": 0, "file": 0}
+        self.rss_anon_bytes.append(split["anon"])
+        self.rss_file_bytes.append(split["file"])
         self.scratch_held_bytes.append(pools["held_bytes"])
         self.scratch_allocated_bytes.append(pools["allocated_bytes"])
         self.scratch_cached_buffers.append(pools["cached_buffers"])
@@ -53,7 +69,9 @@ class ResourceSampler:
         return {"rss_bytes": self.rss_bytes, "scratch_held_bytes": self.scratch_held_bytes,
                 "scratch_allocated_bytes": self.scratch_allocated_bytes,
                 "scratch_cached_buffers": self.scratch_cached_buffers, "scratch_pools": self.scratch_pools,
-                "hpz_bytes": self.hpz_bytes}
+                "hpz_bytes": self.hpz_bytes, "heap_in_use_bytes": self.heap_in_use_bytes,
+                "heap_held_bytes": self.heap_held_bytes, "rss_anon_bytes": self.rss_anon_bytes,
+                "rss_file_bytes": self.rss_file_bytes}
 
     def gathered(self) -> dict:
         """The series of every rank (a collective, once at the end): the maximum over ranks per sample
@@ -73,7 +91,12 @@ class ResourceSampler:
             "scratch_cached_buffers": worst("scratch_cached_buffers"),
             "scratch_pools": worst("scratch_pools"),
             "hpz_bytes": worst("hpz_bytes"),
+            "heap_in_use_mb": [b / MB for b in worst("heap_in_use_bytes")],
+            "heap_held_mb": [b / MB for b in worst("heap_held_bytes")],
+            "rss_anon_mb": [b / MB for b in worst("rss_anon_bytes")],
+            "rss_file_mb": [b / MB for b in worst("rss_file_bytes")],
             "per_rank": {"rss_mb": [[b / MB for b in series] for series in per_rank["rss_bytes"]],
+                         "heap_in_use_mb": [[b / MB for b in series] for series in per_rank["heap_in_use_bytes"]],
                          "scratch_bytes": per_rank["scratch_held_bytes"]},
         }
 
