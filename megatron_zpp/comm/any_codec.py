@@ -56,6 +56,7 @@ from megatron_zpp.compression import Packed
 from megatron_zpp.compression.container import DeferredCheck, payload_lengths
 from megatron_zpp.compression.host_read import HostRead
 from megatron_zpp.comm._common import WireFormat, wait
+from megatron_zpp.comm.error_feedback import compensate, drop_non_finite_
 from megatron_zpp.comm.stats import comm_stats, comm_timers
 from megatron_zpp.comm.topology import Scratch, Topology, _GroupInfo
 
@@ -222,8 +223,6 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology
                    residual: torch.Tensor | None = None):
     """First step of the two-hop reduce-scatter (module docstring); returns ``(middles, finish)``.
     ``residual``: error feedback, as in ``reduce_scatter.qgz_reduce_scatter``."""
-    from megatron_zpp.comm.reduce_scatter import compensate, drop_non_finite_
-
     groups = topology._groups
     size, nodes, node_size = topology.size, topology.num_nodes, topology.node_size
     length, dtype = output.numel(), input.dtype
