@@ -166,7 +166,7 @@ def test_stochastic_seeds_are_per_call_site():
 
 def test_scratch_pool_is_bounded_and_releasable():
     import torch
-    from megatron_zpp.comm.topology import BufferPool
+    from megatron_zpp.comm.scratch import BufferPool
 
     pool = BufferPool(max_cached_bytes=100)
     bufs = [pool.take(60, torch.device("cpu")) for _ in range(3)]

@@ -19,7 +19,8 @@ from megatron_zpp.comm.all_reduce import compressed_all_reduce
 from megatron_zpp.comm.passthrough import record_torch_collective, torch_reduce_scatter
 from megatron_zpp.comm.reduce_scatter import qgz_reduce_scatter, ring_reduce_scatter
 from megatron_zpp.comm.stats import CommStats, CommTimers, TagStats, comm_stats, comm_timers
-from megatron_zpp.comm.topology import Topology, release_buffers, scratch_pool_usage
+from megatron_zpp.comm.scratch import release_buffers, scratch_pool_usage
+from megatron_zpp.comm.topology import Topology
 
 __all__ = [
     "CommHandle",
