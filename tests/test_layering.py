@@ -18,7 +18,7 @@ LAYERS = ["compression", "comm", "policy", "megatron", "training"]
 SIDE = {"perfmodel": {"compression", "policy"}, "advise": {"perfmodel", "compression", "policy"}, "testing": set()}
 # comm/ top-down (comm/README.md): groups and transport, buffers, accounting, codec stages, then the
 # collectives that compose them. A module imports only rooms before it.
-COMM_ROOMS = ["execution", "scratch", "topology", "stats", "_common", "error_feedback", "any_codec", "passthrough",
+COMM_ROOMS = ["execution", "scratch", "topology", "stats", "wire", "error_feedback", "any_codec", "passthrough",
               "reduce_scatter", "all_gather", "all_reduce", "p2p", "__init__"]
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_zpp.comm._common import WireFormat
 from megatron_zpp.comm.scratch import Scratch
 from megatron_zpp.comm.stats import comm_timers
+from megatron_zpp.comm.wire import WireFormat
 
 
 def check_residual(residual: torch.Tensor, input: torch.Tensor, fmt: WireFormat, what: str) -> None:

@@ -36,13 +36,13 @@ import torch.distributed as dist
 
 from megatron_zpp.compression import Codec, layout
 from megatron_zpp.comm import any_codec
-from megatron_zpp.comm._common import (
-    CommHandle, WireFormat, agree, check_float, check_pair, codec_ops, reduce_divisor, wait, wire_format)
 from megatron_zpp.comm.error_feedback import check_residual, compensate, drop_non_finite_
 from megatron_zpp.comm.execution import comm_stream, launch
 from megatron_zpp.comm.scratch import Scratch
 from megatron_zpp.comm.stats import comm_stats, comm_timers
 from megatron_zpp.comm.topology import Topology
+from megatron_zpp.comm.wire import (
+    CommHandle, WireFormat, agree, check_float, check_pair, codec_ops, reduce_divisor, wait, wire_format)
 
 
 def _hop_bytes(topology: Topology, stages: int, row1: int, row2: int) -> tuple[int, int]:

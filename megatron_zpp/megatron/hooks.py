@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from megatron_zpp.comm import (HpzShard, Topology, comm_timers, compressed_all_reduce, hpz_all_gather,
                                qgz_reduce_scatter, quantized_all_gather, record_torch_collective, set_rounding_epoch)
-from megatron_zpp.comm._common import wire_format
+from megatron_zpp.comm.wire import wire_format
 from megatron_zpp.compression import get_codec
 from megatron_zpp.policy import Policy, check_policy_agreement, check_policy_devices
 
