@@ -45,17 +45,6 @@ from megatron_zpp.comm.wire import (
     CommHandle, WireFormat, agree, check_float, check_pair, codec_ops, reduce_divisor, wait, wire_format)
 
 
-def _hop_bytes(topology: Topology, stages: int, row1: int, row2: int) -> tuple[int, int]:
-    """(intra, inter) bytes this rank sends in qgZ's hops with packed rows of ``row1`` / ``row2`` bytes."""
-    groups, size = topology._groups, topology.size
-    first = groups.intra if topology.node_size > 1 else groups.inter
-    intra, inter = first.split_a2a(size // first.size * row1)
-    if topology.node_size > 1 and topology.num_nodes > 1:
-        intra2, inter2 = groups.inter.split_a2a(row2)
-        intra, inter = intra + intra2, inter + inter2
-    return intra * stages, inter * stages
-
-
 def qgz_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology,
                        codec: str | Codec | None = "int4:block=128", op="mean", async_op: bool = False,
                        tag: str = "dp.grad", intra_codec: str | Codec | None = None, stages: int = 1,
@@ -140,6 +129,17 @@ def qgz_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topo
     return launch(groups.in_flight, stream, used,
                   lambda: _uncompressed(output, input, topology, intra_fmt, inter_fmt, stages, slice_len, divisor,
                                         scratch, site), async_op)
+
+
+def _hop_bytes(topology: Topology, stages: int, row1: int, row2: int) -> tuple[int, int]:
+    """(intra, inter) bytes this rank sends in qgZ's hops with packed rows of ``row1`` / ``row2`` bytes."""
+    groups, size = topology._groups, topology.size
+    first = groups.intra if topology.node_size > 1 else groups.inter
+    intra, inter = first.split_a2a(size // first.size * row1)
+    if topology.node_size > 1 and topology.num_nodes > 1:
+        intra2, inter2 = groups.inter.split_a2a(row2)
+        intra, inter = intra + intra2, inter + inter2
+    return intra * stages, inter * stages
 
 
 def _staged_input(input: torch.Tensor, size: int, stages: int, slice_len: int, scratch: Scratch) -> torch.Tensor:
