@@ -29,6 +29,7 @@ GRAD_TAG, PARAM_TAG = "dp.grad", "dp.param"
 class DdpRouting:
     """``MegatronHooks``' routing of Megatron DDP's bucket collectives (module docstring)."""
 
+    # ------------------------------------------------------------------ install
     def _install_ddp(self, pgb) -> None:
         """Wrap ``_ParamAndGradBucketGroup.start_grad_sync`` / ``start_param_sync``; restored by ``_uninstall_ddp``."""
         cls = pgb._ParamAndGradBucketGroup
@@ -66,6 +67,7 @@ class DdpRouting:
             setattr(pgb._ParamAndGradBucketGroup, name, fn)
         self._saved = {}
 
+    # ------------------------------------------------------------------ routing
     def _check_supported(self, bucket_group) -> None:
         cfg = bucket_group.ddp_config
         ours = not self._megatron_runs(self.policy.codec("dp.grad"))

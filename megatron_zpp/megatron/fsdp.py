@@ -30,6 +30,7 @@ PARAM_BWD_TAG = "dp.param.bwd"
 class FsdpRouting:
     """``MegatronHooks``' routing of Megatron-FSDP's collectives and its hpZ state (module docstring)."""
 
+    # ------------------------------------------------------------------ hpZ state
     @property
     def hpz_enabled(self) -> bool:
         return self.policy.hpz_size != 1
@@ -53,6 +54,7 @@ class FsdpRouting:
             self._hpz_shards[key] = shard
         return shard
 
+    # ------------------------------------------------------------------ install
     def _install_fsdp(self) -> None:
         """Megatron-FSDP (ZeRO-3): its pipelines call torch.distributed directly, so the routing wraps
         ``AllGatherPipeline.async_bucket_gather`` (qwZ forward, hpZ backward) and
@@ -118,6 +120,7 @@ class FsdpRouting:
             buffer_cls.copy_main_weights_to_model_weights = originals["copy_main_weights_to_model_weights"]
             self._saved_fsdp = None
 
+    # ------------------------------------------------------------------ routing
     @contextlib.contextmanager
     def _route_fsdp_gather(self, pipeline, bucket_id: int, bwd: bool):
         hooks = self
