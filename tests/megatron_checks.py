@@ -108,7 +108,7 @@ def fsdp_zeropp(iterations: int, workdir: str) -> dict:
 
     import torch
 
-    import megatron_zpp.megatron.hooks as hooks_module
+    import megatron_zpp.megatron.fsdp as fsdp_module
 
     base = SMALL + ["--use-megatron-fsdp", "--bf16", "--overlap-grad-reduce", "--overlap-param-gather",
                     "--zpp-ranks-per-node", "2", "--train-iters", str(iterations), "--ckpt-format", "fsdp_dtensor"]
@@ -120,7 +120,7 @@ def fsdp_zeropp(iterations: int, workdir: str) -> dict:
     out["fair"] = {k: fair[k] for k in ("losses", "grad_norms", "traffic", "dp_replicas_identical", "finite")}
 
     digests: list[str] = []
-    originals = (hooks_module.quantized_all_gather, hooks_module.hpz_all_gather)
+    originals = (fsdp_module.quantized_all_gather, fsdp_module.hpz_all_gather)
 
     def digesting(fn):
         def call(output, *args, **kwargs):
@@ -140,12 +140,12 @@ def fsdp_zeropp(iterations: int, workdir: str) -> dict:
             return d
         return call
 
-    hooks_module.quantized_all_gather = digesting(originals[0])
-    hooks_module.hpz_all_gather = digesting(originals[1])
+    fsdp_module.quantized_all_gather = digesting(originals[0])
+    fsdp_module.hpz_all_gather = digesting(originals[1])
     try:
         zeropp = pretrain(base + ["--zpp-policy", "zeropp", "--save", workdir, "--save-interval", "3"], log=_quiet)
     finally:
-        hooks_module.quantized_all_gather, hooks_module.hpz_all_gather = originals
+        fsdp_module.quantized_all_gather, fsdp_module.hpz_all_gather = originals
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, digests)
     out["zeropp"] = {k: zeropp[k] for k in ("losses", "traffic", "finite", "hpz_bytes_per_rank")}

@@ -148,7 +148,7 @@ def test_stochastic_rounding_is_reproducible_run_to_run():
 
 def test_stochastic_seeds_are_per_call_site():
     """The n-th call at one site gets the same seed however many calls other sites made."""
-    from megatron_zpp.comm._common import WireFormat
+    from megatron_zpp.comm.wire import WireFormat
     from megatron_zpp.compression import get_codec
 
     codec = get_codec("int4:block=128,rounding=stochastic")
@@ -166,7 +166,7 @@ def test_stochastic_seeds_are_per_call_site():
 
 def test_scratch_pool_is_bounded_and_releasable():
     import torch
-    from megatron_zpp.comm.topology import BufferPool
+    from megatron_zpp.comm.scratch import BufferPool
 
     pool = BufferPool(max_cached_bytes=100)
     bufs = [pool.take(60, torch.device("cpu")) for _ in range(3)]
@@ -184,7 +184,7 @@ def test_stochastic_seeds_restart_with_the_rounding_epoch():
     """A rerun or a resumed run of step k rounds like the first run of step k: seeds depend on
     (epoch, site, call within the epoch, rank), not on what ran before in the process."""
     from megatron_zpp.comm import set_rounding_epoch
-    from megatron_zpp.comm._common import WireFormat
+    from megatron_zpp.comm.wire import WireFormat
     from megatron_zpp.compression import get_codec
 
     fmt = WireFormat(get_codec("int4:block=128,rounding=stochastic"), 4, 128, True)

@@ -116,7 +116,7 @@ def test_variable_size_tags_from_the_policy():
 def test_scratch_pool_counts_leased_and_cached_bytes():
     import torch
 
-    from megatron_zpp.comm.topology import BufferPool
+    from megatron_zpp.comm.scratch import BufferPool
 
     cpu = torch.device("cpu")
     pool = BufferPool(max_cached_bytes=100)

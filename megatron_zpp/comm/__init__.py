@@ -13,13 +13,14 @@ Semantics mirror ``all_gather_into_tensor`` / ``reduce_scatter_tensor``; ``codec
 gives the uncompressed algorithm, recorded the same way. Design notes: ``README.md`` here.
 """
 
-from megatron_zpp.comm._common import CommHandle, set_rounding_epoch
 from megatron_zpp.comm.all_gather import HpzShard, hpz_all_gather, quantized_all_gather
 from megatron_zpp.comm.all_reduce import compressed_all_reduce
 from megatron_zpp.comm.passthrough import record_torch_collective, torch_reduce_scatter
 from megatron_zpp.comm.reduce_scatter import qgz_reduce_scatter, ring_reduce_scatter
+from megatron_zpp.comm.scratch import release_buffers, scratch_pool_usage
 from megatron_zpp.comm.stats import CommStats, CommTimers, TagStats, comm_stats, comm_timers
-from megatron_zpp.comm.topology import Topology, release_buffers, scratch_pool_usage
+from megatron_zpp.comm.topology import Topology
+from megatron_zpp.comm.wire import CommHandle, set_rounding_epoch
 
 __all__ = [
     "CommHandle",

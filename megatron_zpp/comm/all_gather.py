@@ -25,11 +25,11 @@ import torch
 
 from megatron_zpp.compression import Codec, layout
 from megatron_zpp.comm import any_codec
-from megatron_zpp.comm._common import (CommHandle, WireFormat, agree, check_float, check_pair, codec_ops, wait,
-                                      wire_format)
 from megatron_zpp.comm.execution import comm_stream, launch
 from megatron_zpp.comm.stats import comm_stats
 from megatron_zpp.comm.topology import Topology
+from megatron_zpp.comm.wire import (CommHandle, WireFormat, agree, check_float, check_pair, codec_ops, wait,
+                                   wire_format)
 
 
 def _row_bytes(fmt: WireFormat, numel: int, dtype: torch.dtype) -> int:

@@ -19,11 +19,11 @@ from __future__ import annotations
 import torch
 
 from megatron_zpp.compression import Codec, layout
-from megatron_zpp.comm._common import check_float
-from megatron_zpp.comm.execution import comm_stream, launch
 from megatron_zpp.comm.all_gather import quantized_all_gather
+from megatron_zpp.comm.execution import comm_stream, launch
 from megatron_zpp.comm.reduce_scatter import qgz_reduce_scatter
 from megatron_zpp.comm.topology import Topology
+from megatron_zpp.comm.wire import check_float
 
 
 def compressed_all_reduce(tensor: torch.Tensor, topology: Topology, codec: str | Codec | None = "int4:block=128",

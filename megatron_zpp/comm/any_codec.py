@@ -55,9 +55,11 @@ import torch.distributed as dist
 from megatron_zpp.compression import Packed
 from megatron_zpp.compression.container import DeferredCheck, payload_lengths
 from megatron_zpp.compression.host_read import HostRead
-from megatron_zpp.comm._common import WireFormat, wait
+from megatron_zpp.comm.error_feedback import compensate, drop_non_finite_
+from megatron_zpp.comm.scratch import Scratch
 from megatron_zpp.comm.stats import comm_stats, comm_timers
-from megatron_zpp.comm.topology import Scratch, Topology, _GroupInfo
+from megatron_zpp.comm.topology import Topology, _GroupInfo
+from megatron_zpp.comm.wire import WireFormat, wait
 
 _SIZE_BYTES = 8  # one int64 per size message
 ALIGN = 16  # every variable-size payload's slot is a multiple of this (module docstring)
@@ -222,8 +224,6 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology
                    residual: torch.Tensor | None = None):
     """First step of the two-hop reduce-scatter (module docstring); returns ``(middles, finish)``.
     ``residual``: error feedback, as in ``reduce_scatter.qgz_reduce_scatter``."""
-    from megatron_zpp.comm.reduce_scatter import compensate, drop_non_finite_
-
     groups = topology._groups
     size, nodes, node_size = topology.size, topology.num_nodes, topology.node_size
     length, dtype = output.numel(), input.dtype

@@ -15,8 +15,8 @@ import torch
 
 from megatron_zpp.compression import Packed, get_codec, layout
 from megatron_zpp.compression.blockwise import BlockwiseQuantCodec
-from megatron_zpp.comm._common import FLOAT_DTYPES, codec_ops, next_site_seed
 from megatron_zpp.comm.stats import comm_stats, comm_timers
+from megatron_zpp.comm.wire import FLOAT_DTYPES, codec_ops, next_site_seed
 
 SIZE_MESSAGE_BYTES = 8  # the int64 a variable-size payload's length travels in
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_zpp.comm._common import check_pair, reduce_divisor
 from megatron_zpp.comm.execution import backend_name
 from megatron_zpp.comm.stats import comm_stats
 from megatron_zpp.comm.topology import Topology, _GroupInfo, group_layout
+from megatron_zpp.comm.wire import check_pair, reduce_divisor
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 

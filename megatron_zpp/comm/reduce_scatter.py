@@ -36,22 +36,13 @@ import torch.distributed as dist
 
 from megatron_zpp.compression import Codec, layout
 from megatron_zpp.comm import any_codec
-from megatron_zpp.comm._common import (
-    CommHandle, WireFormat, agree, check_float, check_pair, codec_ops, reduce_divisor, wait, wire_format)
+from megatron_zpp.comm.error_feedback import check_residual, compensate, drop_non_finite_
 from megatron_zpp.comm.execution import comm_stream, launch
+from megatron_zpp.comm.scratch import Scratch
 from megatron_zpp.comm.stats import comm_stats, comm_timers
-from megatron_zpp.comm.topology import Scratch, Topology
-
-
-def _hop_bytes(topology: Topology, stages: int, row1: int, row2: int) -> tuple[int, int]:
-    """(intra, inter) bytes this rank sends in qgZ's hops with packed rows of ``row1`` / ``row2`` bytes."""
-    groups, size = topology._groups, topology.size
-    first = groups.intra if topology.node_size > 1 else groups.inter
-    intra, inter = first.split_a2a(size // first.size * row1)
-    if topology.node_size > 1 and topology.num_nodes > 1:
-        intra2, inter2 = groups.inter.split_a2a(row2)
-        intra, inter = intra + intra2, inter + inter2
-    return intra * stages, inter * stages
+from megatron_zpp.comm.topology import Topology
+from megatron_zpp.comm.wire import (
+    CommHandle, WireFormat, agree, check_float, check_pair, codec_ops, reduce_divisor, wait, wire_format)
 
 
 def qgz_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology,
@@ -140,6 +131,17 @@ def qgz_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topo
                                         scratch, site), async_op)
 
 
+def _hop_bytes(topology: Topology, stages: int, row1: int, row2: int) -> tuple[int, int]:
+    """(intra, inter) bytes this rank sends in qgZ's hops with packed rows of ``row1`` / ``row2`` bytes."""
+    groups, size = topology._groups, topology.size
+    first = groups.intra if topology.node_size > 1 else groups.inter
+    intra, inter = first.split_a2a(size // first.size * row1)
+    if topology.node_size > 1 and topology.num_nodes > 1:
+        intra2, inter2 = groups.inter.split_a2a(row2)
+        intra, inter = intra + intra2, inter + inter2
+    return intra * stages, inter * stages
+
+
 def _staged_input(input: torch.Tensor, size: int, stages: int, slice_len: int, scratch: Scratch) -> torch.Tensor:
     """``input`` as ``[size, stages * slice_len]``, zero-padded through a scratch copy when needed."""
     length = input.numel() // size
@@ -157,34 +159,6 @@ def _staged_output(output: torch.Tensor, stages: int, slice_len: int, scratch: S
     if stages * slice_len == output.numel():
         return output.view(-1), False
     return scratch.take(stages * slice_len * output.element_size()).view(output.dtype), True
-
-
-def check_residual(residual: torch.Tensor, input: torch.Tensor, fmt: WireFormat, what: str) -> None:
-    if not fmt.compressed or fmt.codec.lossless:
-        raise ValueError(f"{what}: error feedback (residual) needs a lossy codec; codec is {fmt.spec!r}")
-    if (residual.dtype != torch.float32 or residual.numel() != input.numel() or residual.device != input.device
-            or not residual.is_contiguous()):
-        raise ValueError(f"{what}: residual must be a contiguous float32 tensor of {input.numel()} elements on "
-                         f"{input.device}, got {residual.dtype} x {residual.numel()} on {residual.device}")
-
-
-def drop_non_finite_(residual: torch.Tensor) -> None:
-    """A non-finite gradient (an fp16 overflow the loss scaler will skip) must not stay in the residual:
-    ``inf - decode(inf)`` is NaN and would poison every later step. Those entries restart from zero."""
-    residual.masked_fill_(~torch.isfinite(residual), 0.0)
-
-
-def compensate(input: torch.Tensor, residual: torch.Tensor, scratch: Scratch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Error feedback's first half: ``(x, target)``, ``target = input + residual`` in fp32 and ``x`` that in
-    the input dtype (scratch: ``input`` may alias the output and is left as it is)."""
-    with comm_timers().codec():
-        target = scratch.take(input.numel() * 4).view(torch.float32)
-        torch.add(input.view(-1), residual.view(-1), out=target)
-        if input.dtype == torch.float32:
-            return target, target
-        x = scratch.take(input.numel() * input.element_size()).view(input.dtype)
-        x.copy_(target)
-        return x, target
 
 
 def _compressed(output, input, topology: Topology, intra_fmt: WireFormat, inter_fmt: WireFormat,

@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_zpp.comm import Topology, compressed_all_reduce, qgz_reduce_scatter, quantized_all_gather
-from megatron_zpp.comm._common import FLOAT_DTYPES
 from megatron_zpp.comm.p2p import SIZE_MESSAGE_BYTES, DecodingRequest, P2PCodec, record_p2p
 from megatron_zpp.comm.stats import comm_timers
+from megatron_zpp.comm.wire import FLOAT_DTYPES
 from megatron_zpp.compression import get_codec
 from megatron_zpp.compression.container import payload_lengths
 from megatron_zpp.compression.host_read import HostRead

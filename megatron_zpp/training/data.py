@@ -45,7 +45,9 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-CACHE_DIR = Path(os.environ.get("ZPP_CACHE_DIR", Path.home() / ".cache" / "megatron_zpp")) / "data"
+from megatron_zpp.training.cache import CACHE_ROOT
+
+CACHE_DIR = CACHE_ROOT / "data"
 DEFAULT_SPLIT = "969, 30, 1"  # Megatron-LM's default with --data-path
 SPLIT_NAMES = ("train", "valid", "test")
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")

@@ -30,6 +30,8 @@ from types import SimpleNamespace
 
 from megatron.core.tokenizers import MegatronTokenizerBase
 
+from megatron_zpp.training.cache import CACHE_ROOT
+
 DEFAULT_TOKENIZER = "ByteTokenizer"
 TOKENIZER_TYPES = ("ByteTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 INSTALL_HINT = "pip install 'megatron_zpp[tokenizers]' (or: pip install transformers tokenizers)"
@@ -164,9 +166,7 @@ _GPT2_CONFIG = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": 10**30, 
 def _gpt2_bpe_tokenizer(vocab_file: str, merge_file: str) -> MegatronTokenizerBase:
     from megatron.core.tokenizers import MegatronTokenizer
 
-    from megatron_zpp.training.data import CACHE_DIR
-
-    config_dir = CACHE_DIR.parent / "tokenizers" / "gpt2-bpe"
+    config_dir = CACHE_ROOT / "tokenizers" / "gpt2-bpe"
     config = config_dir / "tokenizer_config.json"
     text = json.dumps(_GPT2_CONFIG, indent=1)
     if not config.is_file() or config.read_text() != text:

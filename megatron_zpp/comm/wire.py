@@ -1,5 +1,7 @@
-"""What every collective in this package shares: codec resolution, argument checks, the
-first-use cross-rank agreement check and per-call-site, per-rank rounding seeds."""
+"""What goes on the wire, shared by every collective in this package: codec resolution (``WireFormat``),
+per-call-site, per-rank rounding seeds, the first-use cross-rank agreement check, argument checks and the
+timed codec kernels (``codec_ops``). Invariant: every rank of a group resolves the same wire format for
+a collective, or the first call raises (:func:`agree`): payload sizes never silently differ."""
 
 from __future__ import annotations
 
