@@ -28,7 +28,6 @@ import torch.distributed as dist
 import yaml
 
 import comm_checks
-from megatron_zpp.policy import ConfigError
 from megatron_zpp.testing import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -211,10 +210,10 @@ IN_PROCESS_ROWS = [
      ValueError, r"--ckpt-format fsdp_dtensor without --use-megatron-fsdp"),
     # --- data
     ("data-missing-prefix", "--data-path /nonexistent/corpus", lambda t: _validate(["--data-path", "/nonexistent/corpus"]),
-     ConfigError, r"data prefix /nonexistent/corpus: /nonexistent/corpus.bin and /nonexistent/corpus.idx not found"),
+     FileNotFoundError, r"data prefix /nonexistent/corpus: /nonexistent/corpus.bin and /nonexistent/corpus.idx not found"),
     ("data-missing-idx", "--data-path P with P.idx deleted",
      lambda t: (Path(_tiny_prefix(t) + ".idx").unlink(), _validate(["--data-path", str(t / "tiny_text_document")])),
-     ConfigError, r"tiny_text_document.idx not found"),
+     FileNotFoundError, r"tiny_text_document.idx not found"),
     ("data-truncated-bin", "--data-path P, P.bin cut to 100 bytes",
      lambda t: _validate(["--data-path", _truncated(t, ".bin", 100)] + DATA_FLAGS),
      ValueError, r"tiny_text_document.bin holds 100 bytes, but its index points to 820 \(10 sequences\); the .bin is "

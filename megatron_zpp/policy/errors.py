@@ -16,3 +16,8 @@ class ConfigError(ValueError):
     the cause is the configuration (the same on every rank, as every rank is given the same command line), never
     for a failure of the code or the machine.
     """
+
+
+class ConfigFileNotFoundError(ConfigError, FileNotFoundError):
+    """A file a flag names does not exist: a configuration error, and still a ``FileNotFoundError`` for callers
+    that catch that."""

@@ -14,6 +14,7 @@ import contextlib
 import sys
 
 from megatron_zpp.policy import ConfigError, add_zpp_args
+from megatron_zpp.policy.errors import ConfigFileNotFoundError
 from megatron_zpp.training.quiet import launch_rank
 
 # Flags whose default (or, where the reason says so, choices) differs from Megatron-LM's on purpose, and why
@@ -271,7 +272,9 @@ def _flag_errors():
         yield
     except ConfigError:
         raise
-    except (ValueError, FileNotFoundError) as e:
+    except FileNotFoundError as e:
+        raise ConfigFileNotFoundError(str(e)) from e
+    except ValueError as e:
         raise ConfigError(str(e)) from e
 
 
