@@ -27,8 +27,10 @@ TRAIN_ARGS ?= --use-distributed-optimizer --overlap-grad-reduce --overlap-param-
 	--lr-decay-style cosine --adam-beta2 0.95 --hidden-dropout 0.0 --attention-dropout 0.0 \
 	--train-iters 80 --log-interval 10 --eval-iters 4
 
+# OMP_NUM_THREADS: torchrun sets it to 1 itself when it is unset, with a 4-line banner saying so; the same value,
+# without the banner (a value in the environment wins).
 train: $(STAMP)
-	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) pretrain_gpt.py $(TRAIN_ARGS) $(ARGS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/torchrun --nproc-per-node $(NPROC) pretrain_gpt.py $(TRAIN_ARGS) $(ARGS)
 
 bench: bench-codecs bench-collectives
 

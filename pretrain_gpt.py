@@ -6,18 +6,46 @@ Megatron-LM's flag names plus ``--zpp-*``; see ``python pretrain_gpt.py --help``
         --zpp-ranks-per-node 2 --train-iters 50
 
 Without a GPU it runs on CPU processes with gloo (the CPU shim is applied automatically).
+
+A configuration error (a bad flag value, policy or combination: ``ConfigError``) is one line from rank 0, and
+every rank exits with 2, as argparse does for a bad flag; any other exception is a bug and keeps its traceback.
 """
 
 import os
 import sys
 import traceback
 
+# First, before anything imports Megatron-Core: some of its known-harmless warnings fire at import time.
+from megatron_zpp.training.quiet import install_warning_filters, launch_rank
+
+install_warning_filters()
+
+from megatron_zpp.policy import ConfigError
 from megatron_zpp.training.trainer import pretrain
 from megatron_zpp.training.watchdog import EXIT_CODE, RankFailureError, stop_child_processes
 
-if __name__ == "__main__":
+USAGE_ERROR = 2  # argparse's exit status for a bad command line
+
+
+def _end_process_group() -> None:
+    """Release the process group before exit (NCCL warns at exit on every rank otherwise). Only after every rank
+    finished, or failed the same way (a configuration error): nothing is in flight."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> None:
     try:
-        pretrain(sys.argv[1:])
+        pretrain(argv)
+        _end_process_group()
+    except ConfigError as e:
+        # Every rank reads the same command line and raises the same error: rank 0 says it, once.
+        if launch_rank() == 0:
+            print(f"{os.path.basename(__file__)}: error: {e}", file=sys.stderr, flush=True)
+        _end_process_group()
+        sys.exit(USAGE_ERROR)
     except RankFailureError as e:
         # Another rank died, hung or failed a step (the message names it), or this rank failed a step and its
         # peers were told (agreement.py): exit now. The interpreter's own shutdown would join communication and
@@ -28,3 +56,7 @@ if __name__ == "__main__":
         sys.stderr.flush()
         stop_child_processes()
         os._exit(getattr(e, "exit_code", EXIT_CODE))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -197,9 +197,11 @@ class _Recorder:
 
 def _capture_worker(model_args: list[str], steps: int, dtypes: list[str]) -> dict:
     """One rank: train ``steps`` iterations per dtype, return {dtype: {kind: [(site, tensor)]}}."""
-    from megatron_zpp.training.trainer import _quiet_known_warnings, pretrain
+    from megatron_zpp.training.quiet import install_warning_filters
 
-    _quiet_known_warnings()  # before Megatron is first imported in this fresh process
+    install_warning_filters()  # before Megatron is first imported in this fresh process
+    from megatron_zpp.training.trainer import pretrain
+
     out = {}
     for dname in dtypes:
         recorder = _Recorder(grads_dtype=DTYPES[dname] if dname != "fp32" else None)

@@ -7,6 +7,7 @@
 
 from megatron_zpp.policy.cli import add_dataclass_args, dataclass_from_args, field_docs
 from megatron_zpp.policy.config import ZppConfig
+from megatron_zpp.policy.errors import ConfigError
 from megatron_zpp.policy.policy import (DIMENSIONS, Policy, available_presets, check_policy_agreement,
                                         check_policy_devices,
                                         resolve_policy)
@@ -22,5 +23,5 @@ def zpp_config_from_args(args) -> ZppConfig:
     return dataclass_from_args(ZppConfig, args, "zpp")
 
 
-__all__ = ["DIMENSIONS", "Policy", "ZppConfig", "add_zpp_args", "available_presets", "check_policy_agreement", "check_policy_devices",
-           "field_docs", "resolve_policy", "zpp_config_from_args"]
+__all__ = ["DIMENSIONS", "ConfigError", "Policy", "ZppConfig", "add_zpp_args", "available_presets",
+           "check_policy_agreement", "check_policy_devices", "field_docs", "resolve_policy", "zpp_config_from_args"]

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from megatron_zpp.compression import get_codec
 from megatron_zpp.policy.config import ZppConfig
+from megatron_zpp.policy.errors import ConfigError
 
 DIMENSIONS = ("dp.grad", "dp.param", "tp", "pp")
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "policies"
@@ -85,14 +86,14 @@ def _load_yaml(policy: str) -> tuple[str, dict]:
     if policy in available_presets():
         path = PRESET_DIR / f"{policy}.yaml"
     elif not (path.suffix in (".yaml", ".yml") and path.is_file()):
-        raise ValueError(f"policy {policy!r} is neither a preset ({', '.join(available_presets())}) "
-                         f"nor an existing .yaml file")
+        raise ConfigError(f"policy {policy!r} is neither a preset ({', '.join(available_presets())}) "
+                          f"nor an existing .yaml file")
     data = yaml.safe_load(path.read_text()) or {}
     if not isinstance(data, dict):
-        raise ValueError(f"policy file {path} must hold a mapping, got {type(data).__name__}")
+        raise ConfigError(f"policy file {path} must hold a mapping, got {type(data).__name__}")
     unknown = sorted(set(data) - set(_YAML_KEYS))
     if unknown:
-        raise ValueError(f"policy file {path}: unknown key(s) {unknown}; valid: {', '.join(_YAML_KEYS)}")
+        raise ConfigError(f"policy file {path}: unknown key(s) {unknown}; valid: {', '.join(_YAML_KEYS)}")
     return path.stem, data
 
 
@@ -100,11 +101,14 @@ def _canonical(spec, where: str, allowed: tuple[str, ...] | None = None) -> str:
     if spec is None or spec is False:
         return "none"
     if not isinstance(spec, str):
-        raise ValueError(f"{where}: codec must be a spec string like 'int8:block=256', got {spec!r}")
-    codec = get_codec(spec)  # ValueError naming the bad codec/parameter and the valid ones
+        raise ConfigError(f"{where}: codec must be a spec string like 'int8:block=256', got {spec!r}")
+    try:
+        codec = get_codec(spec)
+    except ValueError as e:  # names the bad codec or parameter and the valid ones: the user's spec, not a bug
+        raise ConfigError(f"{where}: {e}") from None
     name = codec.spec.split(":")[0]
     if allowed is not None and name not in allowed:
-        raise ValueError(f"{where}: codec {spec!r} cannot run on this dimension; valid: {', '.join(allowed)}")
+        raise ConfigError(f"{where}: codec {spec!r} cannot run on this dimension; valid: {', '.join(allowed)}")
     return codec.spec
 
 
@@ -122,12 +126,12 @@ def resolve_policy(config: ZppConfig) -> Policy:
     """Preset/YAML, then aliases, then command-line overrides; every spec validated."""
     name, data = _load_yaml(config.policy)
     if not isinstance(data.get("codecs") or {}, dict):
-        raise ValueError(f"policy {name!r}: codecs must be a mapping of dimension to codec spec (e.g. dp.grad: "
-                         f"int4:block=128), got {data['codecs']!r}; valid dimensions: {', '.join(DIMENSIONS)}")
+        raise ConfigError(f"policy {name!r}: codecs must be a mapping of dimension to codec spec (e.g. dp.grad: "
+                          f"int4:block=128), got {data['codecs']!r}; valid dimensions: {', '.join(DIMENSIONS)}")
     codecs_raw = dict(data.get("codecs") or {})
     unknown = sorted(set(codecs_raw) - set(DIMENSIONS))
     if unknown:
-        raise ValueError(f"policy {name!r}: unknown dimension(s) {unknown}; valid: {', '.join(DIMENSIONS)}")
+        raise ConfigError(f"policy {name!r}: unknown dimension(s) {unknown}; valid: {', '.join(DIMENSIONS)}")
     if data.get("zero_quantized_weights"):
         codecs_raw.setdefault("dp.param", ZEROPP_WEIGHTS)
     if data.get("zero_quantized_gradients"):
@@ -143,47 +147,47 @@ def resolve_policy(config: ZppConfig) -> Policy:
     if intra is not None:
         intra = _canonical(intra, f"policy {name!r} dp_grad_intra")
         if (intra == "none") != (codecs["dp.grad"] == "none"):
-            raise ValueError(f"policy {name!r}: dp_grad_intra={intra!r} and dp.grad={codecs['dp.grad']!r} must "
-                             "both be none or both compressing")
+            raise ConfigError(f"policy {name!r}: dp_grad_intra={intra!r} and dp.grad={codecs['dp.grad']!r} must "
+                              "both be none or both compressing")
     if config.hpz_size is not None:
         hpz = config.hpz_size
     if hpz == "node":
         hpz = None
     if hpz is not None and (not _is_int(hpz) or hpz < 1):
-        raise ValueError(f"policy {name!r}: hpz_size={hpz!r} must be a positive integer or 'node'")
+        raise ConfigError(f"policy {name!r}: hpz_size={hpz!r} must be a positive integer or 'node'")
     stages = config.qgz_stages if config.qgz_stages is not None else data.get("qgz_stages", 1)
     if not _is_int(stages) or stages < 1:
-        raise ValueError(f"policy {name!r}: qgz_stages={stages!r} must be a positive integer")
+        raise ConfigError(f"policy {name!r}: qgz_stages={stages!r} must be a positive integer")
     if intra is not None and intra != "none" and \
             (_family(intra) in BLOCKWISE_CODECS) != (_family(codecs["dp.grad"]) in BLOCKWISE_CODECS):
         # the two hops run on one path: the fused kernels, or the codec interface (comm/any_codec.py)
-        raise ValueError(f"policy {name!r}: dp_grad_intra={intra!r} and dp.grad={codecs['dp.grad']!r} must both "
-                         f"be blockwise ({', '.join(BLOCKWISE_CODECS[1:])}) or both not")
+        raise ConfigError(f"policy {name!r}: dp_grad_intra={intra!r} and dp.grad={codecs['dp.grad']!r} must both "
+                          f"be blockwise ({', '.join(BLOCKWISE_CODECS[1:])}) or both not")
     if hpz != 1 and _family(codecs["dp.param"]) not in BLOCKWISE_CODECS:
-        raise ValueError(f"policy {name!r}: hpz_size={'node' if hpz is None else hpz} keeps the weight gather's "
-                         f"packed rows, which needs dp.param in {', '.join(BLOCKWISE_CODECS)}; dp.param is "
-                         f"{codecs['dp.param']!r} (set --zpp-hpz-size 1 to turn hpZ off)")
+        raise ConfigError(f"policy {name!r}: hpz_size={'node' if hpz is None else hpz} keeps the weight gather's "
+                          f"packed rows, which needs dp.param in {', '.join(BLOCKWISE_CODECS)}; dp.param is "
+                          f"{codecs['dp.param']!r} (set --zpp-hpz-size 1 to turn hpZ off)")
     if stages != 1 and any(_family(c) not in BLOCKWISE_CODECS for c in (codecs["dp.grad"], intra) if c):
-        raise ValueError(f"policy {name!r}: qgz_stages={stages} needs dp.grad codecs in "
-                         f"{', '.join(BLOCKWISE_CODECS)}; dp.grad is {codecs['dp.grad']!r}, dp_grad_intra {intra!r}")
+        raise ConfigError(f"policy {name!r}: qgz_stages={stages} needs dp.grad codecs in "
+                          f"{', '.join(BLOCKWISE_CODECS)}; dp.grad is {codecs['dp.grad']!r}, dp_grad_intra {intra!r}")
     until = config.dp_grad_until if config.dp_grad_until is not None else data.get("dp_grad_until", 1.0)
     if isinstance(until, bool) or not isinstance(until, (int, float)) or not 0 < until <= 1:
-        raise ValueError(f"policy {name!r}: dp_grad_until={until!r} must be in (0, 1]")
+        raise ConfigError(f"policy {name!r}: dp_grad_until={until!r} must be in (0, 1]")
     route = config.dp_uncompressed if config.dp_uncompressed is not None else data.get("dp_uncompressed",
                                                                                           "megatron")
     if route not in DP_UNCOMPRESSED:
-        raise ValueError(f"policy {name!r}: dp_uncompressed={route!r}; valid: {', '.join(DP_UNCOMPRESSED)}")
+        raise ConfigError(f"policy {name!r}: dp_uncompressed={route!r}; valid: {', '.join(DP_UNCOMPRESSED)}")
     feedback = config.dp_grad_error_feedback
     if feedback is None:
         feedback = data.get("error_feedback", False)
     if not isinstance(feedback, bool):
-        raise ValueError(f"policy {name!r}: error_feedback={feedback!r} must be true or false")
+        raise ConfigError(f"policy {name!r}: error_feedback={feedback!r} must be true or false")
     if feedback and (codecs["dp.grad"] == "none" or get_codec(codecs["dp.grad"]).lossless):
-        raise ValueError(f"policy {name!r}: error feedback needs a lossy dp.grad codec (int8, int4, zfp); "
-                         f"dp.grad is {codecs['dp.grad']!r}")
+        raise ConfigError(f"policy {name!r}: error feedback needs a lossy dp.grad codec (int8, int4, zfp); "
+                          f"dp.grad is {codecs['dp.grad']!r}")
     rpn = config.ranks_per_node
     if rpn is not None and rpn < 1:
-        raise ValueError(f"--zpp-ranks-per-node={rpn} must be a positive integer")
+        raise ConfigError(f"--zpp-ranks-per-node={rpn} must be a positive integer")
     return Policy(name=name, codecs=codecs, dp_grad_intra=intra, hpz_size=hpz, ranks_per_node=rpn,
                   qgz_stages=stages, dp_grad_until=float(until), dp_uncompressed=route, error_feedback=feedback,
                   description=str(data.get("description", "")))
@@ -194,7 +198,7 @@ def check_policy_devices(policy: Policy, device_type: str) -> None:
     for dim, spec in policy.codecs.items():
         codec = get_codec(spec)
         if device_type not in codec.devices:
-            raise ValueError(f"policy {policy.name!r} {dim}: codec {spec!r} runs on {', '.join(codec.devices)} "
+            raise ConfigError(f"policy {policy.name!r} {dim}: codec {spec!r} runs on {', '.join(codec.devices)} "
                              f"tensors, and this run's are on {device_type}; pick another codec for {dim} "
                              "(e.g. mpc, lossless on CPU and CUDA)")
 
@@ -214,5 +218,5 @@ def check_policy_agreement(policy: Policy, group=None) -> None:
             if other.get(key) != mine.get(key):
                 diffs.append(f"{key}: rank 0 has {mine.get(key)!r}, rank {rank} has {other.get(key)!r}")
     if diffs:
-        raise ValueError("compression policy differs across ranks (every rank must pass the same --zpp-* "
-                         "flags and policy file): " + "; ".join(diffs))
+        raise ConfigError("compression policy differs across ranks (every rank must pass the same --zpp-* "
+                          "flags and policy file): " + "; ".join(diffs))

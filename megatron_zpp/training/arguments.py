@@ -10,8 +10,12 @@ their reasons.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import sys
 
-from megatron_zpp.policy import add_zpp_args
+from megatron_zpp.policy import ConfigError, add_zpp_args
+from megatron_zpp.policy.errors import ConfigFileNotFoundError
+from megatron_zpp.training.quiet import launch_rank
 
 # Flags whose default (or, where the reason says so, choices) differs from Megatron-LM's on purpose, and why
 # (the parity test reads this).
@@ -50,11 +54,29 @@ def _attention_backend(name: str):
 
 
 class _Parser(argparse.ArgumentParser):
-    """Records whether ``--transformer-impl`` was given (``args.transformer_impl_explicit``).
+    """Records whether ``--transformer-impl`` was given (``args.transformer_impl_explicit``), and speaks from
+    rank 0 only.
 
     Megatron-LM's default, transformer_engine, falls back to local on a machine without Transformer
     Engine (this CPU path); asking for it explicitly there is an error instead.
+
+    Under a launcher every rank parses the same command line: a bad flag is one line from rank 0 (argparse's
+    "error:" line, without the usage, which spans a screen for this many flags: ``--help`` has it), and every
+    rank exits with argparse's status 2. ``--help`` prints once too.
     """
+
+    def error(self, message: str):
+        if launch_rank() == 0:
+            print(f"{self.prog}: error: {message} (the flags: {self.prog} --help)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+    def print_help(self, file=None) -> None:
+        if launch_rank() == 0:
+            super().print_help(file)
+
+    def print_usage(self, file=None) -> None:
+        if launch_rank() == 0:
+            super().print_usage(file)
 
     def parse_known_args(self, args=None, namespace=None):
         namespace = argparse.Namespace() if namespace is None else namespace
@@ -241,17 +263,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@contextlib.contextmanager
+def _flag_errors():
+    """The flag checks that live beside their feature (data, rank watchdog, divergence guard) raise ValueError
+    naming the flag, or FileNotFoundError naming a file a flag names: here, where only flags are read (and the
+    files they name looked up), that is the user's configuration error."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except FileNotFoundError as e:
+        raise ConfigFileNotFoundError(str(e)) from e
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
-    """Derive defaults and check that the parallel sizes fit the world; errors name the values."""
+    """Derive defaults and check that the parallel sizes fit the world; errors (``ConfigError``) name the values
+    and the valid choices."""
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                  "global_batch_size", "train_iters"):
         value = getattr(args, flag)
         if value is not None and value < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} {value} must be a positive integer")
+            raise ConfigError(f"--{flag.replace('_', '-')} {value} must be a positive integer")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1 or world_size % (tp * pp):
-        raise ValueError(f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) "
-                         f"parallel size = {tp * pp}")
+        raise ConfigError(f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) "
+                          f"parallel size = {tp * pp}")
     args.data_parallel_size = world_size // (tp * pp)
     rpn = getattr(args, "zpp_ranks_per_node", None)
     if rpn is not None:
@@ -263,110 +301,114 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         if rpn < 1 or rpn > world_size or world_size % rpn:
             why = ("is not a positive integer for" if rpn < 1 else "is larger than" if rpn > world_size
                    else "does not divide")
-            raise ValueError(f"--zpp-ranks-per-node {rpn} {why} the world size {world_size}; valid: "
-                             f"{', '.join(map(str, divisors))} (ranks per node; the node count is world size / it)")
+            raise ConfigError(f"--zpp-ranks-per-node {rpn} {why} the world size {world_size}; valid: "
+                              f"{', '.join(map(str, divisors))} (ranks per node; the node count is world size / it)")
         hpz = getattr(args, "zpp_hpz_size", None)
         if hpz is not None and hpz >= 1 and rpn % hpz:
             # hpZ's partition must divide the data-parallel members per node, which divide the ranks per node.
-            raise ValueError(f"--zpp-hpz-size {hpz} does not divide --zpp-ranks-per-node {rpn}; valid: "
-                             f"{', '.join(str(d) for d in range(1, rpn + 1) if rpn % d == 0)}")
+            raise ConfigError(f"--zpp-hpz-size {hpz} does not divide --zpp-ranks-per-node {rpn}; valid: "
+                              f"{', '.join(str(d) for d in range(1, rpn + 1) if rpn % d == 0)}")
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     per_step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size % per_step:
-        raise ValueError(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
-                         f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} = {per_step}")
+        raise ConfigError(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
+                          f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} = {per_step}")
     args.num_microbatches = args.global_batch_size // per_step
     if args.hidden_size % args.num_attention_heads:
         # Megatron-Core would quietly build attention heads of hidden // heads channels (a narrower attention).
-        raise ValueError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
-                         f"{args.num_attention_heads}")
+        raise ConfigError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+                          f"{args.num_attention_heads}")
     if args.num_attention_heads % tp:
-        raise ValueError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
-                         f"--tensor-model-parallel-size {tp}")
+        raise ConfigError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                          f"--tensor-model-parallel-size {tp}")
     if args.num_layers % pp:
-        raise ValueError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+        raise ConfigError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
     args.virtual_pipeline_model_parallel_size = None
     if args.num_layers_per_virtual_pipeline_stage:
         per_stage = args.num_layers // pp
         if pp < 2 or per_stage % args.num_layers_per_virtual_pipeline_stage:
-            raise ValueError(f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage} "
-                             f"must divide the {per_stage} layers of each of >= 2 pipeline stages")
+            raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage} "
+                              f"must divide the {per_stage} layers of each of >= 2 pipeline stages")
         vpp = per_stage // args.num_layers_per_virtual_pipeline_stage
         # As Megatron-LM: one virtual stage per rank is the plain 1F1B schedule, not an interleaved one.
         args.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
         if args.use_megatron_fsdp:
-            raise ValueError("--num-layers-per-virtual-pipeline-stage with --use-megatron-fsdp is not supported")
+            raise ConfigError("--num-layers-per-virtual-pipeline-stage with --use-megatron-fsdp is not supported")
     if args.virtual_pipeline_model_parallel_size and args.num_microbatches % pp:
         # Megatron's interleaved schedule raises on this later, naming neither flag.
-        raise ValueError(f"the interleaved schedule (--num-layers-per-virtual-pipeline-stage "
-                         f"{args.num_layers_per_virtual_pipeline_stage}) needs the number of micro-batches, "
-                         f"--global-batch-size {args.global_batch_size} / (--micro-batch-size {args.micro_batch_size}"
-                         f" x data-parallel size {args.data_parallel_size}) = {args.num_microbatches}, to be a "
-                         f"multiple of --pipeline-model-parallel-size {pp}")
+        raise ConfigError(f"the interleaved schedule (--num-layers-per-virtual-pipeline-stage "
+                          f"{args.num_layers_per_virtual_pipeline_stage}) needs the number of micro-batches, "
+                          f"--global-batch-size {args.global_batch_size} / (--micro-batch-size {args.micro_batch_size}"
+                          f" x data-parallel size {args.data_parallel_size}) = {args.num_microbatches}, to be a "
+                          f"multiple of --pipeline-model-parallel-size {pp}")
     # As in Megatron-LM: p2p overlap is the interleaved schedule's default and only exists there.
     args.overlap_p2p_comm = bool(args.overlap_p2p_comm and args.virtual_pipeline_model_parallel_size)
     if args.overlap_param_gather and not (args.use_distributed_optimizer or args.use_megatron_fsdp):
-        raise ValueError("--overlap-param-gather needs --use-distributed-optimizer or --use-megatron-fsdp")
+        raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer or --use-megatron-fsdp")
     if args.bf16 and args.fp16:
-        raise ValueError("--bf16 and --fp16 are exclusive: pick one")
+        raise ConfigError("--bf16 and --fp16 are exclusive: pick one")
     if args.lr_decay_style == "WSD":
-        raise ValueError("--lr-decay-style WSD needs Megatron-LM's --lr-wsd-decay-* flags, which this driver does not "
-                         "have; valid here: constant, linear, cosine, inverse-square-root")
+        raise ConfigError("--lr-decay-style WSD needs Megatron-LM's --lr-wsd-decay-* flags, which this driver does not "
+                          "have; valid here: constant, linear, cosine, inverse-square-root")
     if args.recompute_activations:
         args.recompute_granularity = "selective"
     if args.recompute_granularity == "full" and (args.recompute_method is None or not args.recompute_num_layers):
-        raise ValueError("--recompute-granularity full needs --recompute-method (uniform, block) and "
-                         f"--recompute-num-layers; got {args.recompute_method!r} and {args.recompute_num_layers!r}")
+        raise ConfigError("--recompute-granularity full needs --recompute-method (uniform, block) and "
+                          f"--recompute-num-layers; got {args.recompute_method!r} and {args.recompute_num_layers!r}")
     decay_iters = args.lr_decay_iters or args.train_iters
     if args.lr_warmup_iters >= decay_iters:
-        raise ValueError(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than the decay iterations "
-                         f"{decay_iters} (--lr-decay-iters, default --train-iters; Megatron's scheduler asserts "
-                         "it with no message); lower the warmup or add iterations")
+        raise ConfigError(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than the decay iterations "
+                          f"{decay_iters} (--lr-decay-iters, default --train-iters; Megatron's scheduler asserts "
+                          "it with no message); lower the warmup or add iterations")
     from megatron_zpp.training.checkpoint import CKPT_FORMATS
 
     if args.ckpt_format not in CKPT_FORMATS:
-        raise ValueError(f"--ckpt-format {args.ckpt_format} is not implemented by this driver; valid: "
-                         f"{', '.join(CKPT_FORMATS)}")
+        raise ConfigError(f"--ckpt-format {args.ckpt_format} is not implemented by this driver; valid: "
+                          f"{', '.join(CKPT_FORMATS)}")
     if args.use_megatron_fsdp != (args.ckpt_format == "fsdp_dtensor") and (args.save or args.load):
-        raise ValueError(f"--ckpt-format {args.ckpt_format} with{'' if args.use_megatron_fsdp else 'out'} "
-                         "--use-megatron-fsdp: Megatron-FSDP checkpoints are --ckpt-format fsdp_dtensor (as in "
-                         "Megatron-LM), DDP and distributed-optimizer ones torch_dist")
+        fsdp = args.use_megatron_fsdp
+        raise ConfigError(f"--ckpt-format {args.ckpt_format} with{'' if fsdp else 'out'} --use-megatron-fsdp; valid: "
+                          f"--ckpt-format {'fsdp_dtensor' if fsdp else 'torch_dist'} (as in Megatron-LM, Megatron-FSDP "
+                          "checkpoints are fsdp_dtensor, DDP and distributed-optimizer ones torch_dist)")
     for name in ("eval_interval", "exit_interval", "save_interval", "log_interval"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} {value} must be a positive integer")
+            raise ConfigError(f"--{name.replace('_', '-')} {value} must be a positive integer")
     args.wandb_config = parse_wandb_config(args.wandb_config)
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     from megatron_zpp.training.data import validate_data_args
 
-    validate_data_args(args)
+    with _flag_errors():
+        validate_data_args(args)
     if args.seq_length > args.max_position_embeddings:
-        raise ValueError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
-                         f"{args.max_position_embeddings}")
+        raise ConfigError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+                          f"{args.max_position_embeddings}")
     if args.ffn_hidden_size % tp:
-        raise ValueError(f"--ffn-hidden-size {args.ffn_hidden_size} (default 4 x --hidden-size) is not divisible by "
-                         f"--tensor-model-parallel-size {tp}")
+        raise ConfigError(f"--ffn-hidden-size {args.ffn_hidden_size} (default 4 x --hidden-size) is not divisible by "
+                          f"--tensor-model-parallel-size {tp}")
     if args.sequence_parallel and tp > 1 and args.seq_length % tp:
-        raise ValueError(f"--sequence-parallel splits the sequence over the tensor-parallel ranks: --seq-length "
-                         f"{args.seq_length} is not divisible by --tensor-model-parallel-size {tp}")
+        raise ConfigError(f"--sequence-parallel splits the sequence over the tensor-parallel ranks: --seq-length "
+                          f"{args.seq_length} is not divisible by --tensor-model-parallel-size {tp}")
     if args.min_lr > args.lr:
-        raise ValueError(f"--min-lr {args.min_lr} is larger than --lr {args.lr} (Megatron's scheduler asserts "
-                         "min_lr <= lr with no message)")
+        raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr} (Megatron's scheduler asserts "
+                          "min_lr <= lr with no message)")
     if args.eval_interval and not args.eval_iters:
-        raise ValueError(f"--eval-interval {args.eval_interval} with --eval-iters {args.eval_iters} would evaluate "
-                         "nothing: give --eval-iters N (batches per evaluation) or drop --eval-interval")
+        raise ConfigError(f"--eval-interval {args.eval_interval} with --eval-iters {args.eval_iters} would evaluate "
+                          "nothing: give --eval-iters N (batches per evaluation) or drop --eval-interval")
     if args.save_interval and not args.save:
-        raise ValueError(f"--save-interval {args.save_interval} without --save: nothing would be saved; add --save DIR")
+        raise ConfigError(f"--save-interval {args.save_interval} without --save: nothing would be saved; add --save "
+                          "DIR")
     if args.distributed_timeout_minutes < 1:
-        raise ValueError(f"--distributed-timeout-minutes {args.distributed_timeout_minutes} must be >= 1")
+        raise ConfigError(f"--distributed-timeout-minutes {args.distributed_timeout_minutes} must be >= 1")
     from megatron_zpp.training.divergence import divergence_config_from_args
     from megatron_zpp.training.watchdog import rank_failure_config_from_args
 
-    rank_failure_config_from_args(args)  # errors name the flag now, before any process group exists
-    divergence_config_from_args(args)
+    with _flag_errors():
+        rank_failure_config_from_args(args)  # errors name the flag now, before any process group exists
+        divergence_config_from_args(args)
     validate_transformer_impl(args)
     return args
 
@@ -375,12 +417,12 @@ def validate_transformer_impl(args: argparse.Namespace) -> None:
     """The flag combinations that are wrong on any machine (what the machine can run is decided later,
     in ``megatron_zpp.training.model.resolve_transformer_impl``)."""
     if args.transformer_impl == "inference_optimized":
-        raise ValueError("--transformer-impl inference_optimized is Megatron-LM's inference-only layer spec; for "
-                         "training valid: transformer_engine, local")
+        raise ConfigError("--transformer-impl inference_optimized is Megatron-LM's inference-only layer spec; for "
+                          "training valid: transformer_engine, local")
     if args.transformer_impl == "local" and args.attention_backend.name in ("flash", "fused", "unfused"):
-        raise ValueError(f"--attention-backend {args.attention_backend.name} selects a Transformer Engine attention; "
-                         "with --transformer-impl local valid: auto, local (or use --transformer-impl "
-                         "transformer_engine)")
+        raise ConfigError(f"--attention-backend {args.attention_backend.name} selects a Transformer Engine attention; "
+                          "with --transformer-impl local valid: auto, local (or use --transformer-impl "
+                          "transformer_engine)")
 
 
 def parse_wandb_config(entries: list[str] | dict) -> dict:
@@ -393,7 +435,7 @@ def parse_wandb_config(entries: list[str] | dict) -> dict:
     for entry in entries:
         key, sep, value = entry.partition("=")
         if not sep or not key.strip():
-            raise ValueError(f"--wandb-config {entry!r}: expected KEY=VALUE (e.g. rate=25mbit)")
+            raise ConfigError(f"--wandb-config {entry!r}: expected KEY=VALUE (e.g. rate=25mbit)")
         try:
             out[key.strip()] = json.loads(value)
         except json.JSONDecodeError:

@@ -12,7 +12,8 @@ the shipped stack (``hybrid_stack_spec``) is TE modules, and ``HybridStack`` cre
 CPU path even with Megatron-Core's local attention and MLP specs (tried). Its checkpoints also use other
 keys (``decoder.final_norm``, one layer index per sublayer), and the migration guide
 (``docs/user-guide/hybrid-model-migration.md``) says its declarative builder rejects virtual pipeline
-stages. The warning is Megatron's and is left visible. See docs/megatron-lm.md, "GPTModel, not HybridModel".
+stages. The warning says nothing a user of this driver can act on, so it is silenced with that reason
+(``megatron_zpp/training/quiet.py``). See docs/megatron-lm.md, "GPTModel, not HybridModel".
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import importlib
 
 import torch
 
+from megatron_zpp.policy import ConfigError
 from megatron_zpp.training.arguments import TE_INSTALL
 
 # Megatron-LM turns these on by default; each needs a GPU, some also a library (checked by import).
@@ -65,8 +67,21 @@ def resolve_transformer_impl(args: argparse.Namespace, *, cuda: bool, te: bool, 
     if not reason:
         return "transformer_engine", ""
     if args.transformer_impl_explicit:
-        raise ValueError(f"--transformer-impl transformer_engine: {reason}; or use --transformer-impl local")
+        raise ConfigError(f"--transformer-impl transformer_engine: {reason}; or use --transformer-impl local")
     return "local", f"> --transformer-impl local (Megatron-LM's default is transformer_engine): {reason}"
+
+
+def optimizer_fallback_note(cuda: bool) -> str:
+    """On a GPU without Transformer Engine or Apex: one line saying Megatron-Core's optimizer falls back to torch's
+    (it replaces Megatron-Core's per-module, per-rank warnings, silenced in ``quiet.py``); else ``""``."""
+    if not cuda:
+        return ""  # neither library runs without a GPU: nothing to act on
+    from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER
+
+    if not USING_PYTORCH_OPTIMIZER:
+        return ""
+    return (f"> Transformer Engine and Apex are not installed: Megatron-Core uses torch's AdamW and multi-tensor "
+            f"fallbacks, slower on a GPU ({TE_INSTALL})")
 
 
 def resolve_fusions(args: argparse.Namespace, impl: str, *, cuda: bool) -> tuple[dict[str, bool], dict[str, str]]:

@@ -18,21 +18,22 @@ import datetime
 import json
 import os
 import time
-import warnings
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from megatron_zpp.policy import ConfigError
 from megatron_zpp.training import faults
 from megatron_zpp.training.agreement import Agreement, StepFailedError, communication_error, describe, is_agreed
 from megatron_zpp.training.arguments import build_parser, validate_args
 from megatron_zpp.training.divergence import DivergenceGuard, divergence_config_from_args
 from megatron_zpp.training.data import build_datasets, micro_batches
 from megatron_zpp.training.log import IterationLogger
-from megatron_zpp.training.model import (build_model, resolve_fusions, resolve_transformer_impl,
-                                         transformer_engine_available)
+from megatron_zpp.training.model import (build_model, optimizer_fallback_note, resolve_fusions,
+                                         resolve_transformer_impl, transformer_engine_available)
+from megatron_zpp.training.quiet import install_warning_filters
 from megatron_zpp.training.tokenizer import padded_vocab_size, tokenizer_from_args
 from megatron_zpp.training.watchdog import RankFailureError, RankWatchdog, rank_failure_config_from_args
 
@@ -61,7 +62,7 @@ def _init_distributed(args) -> torch.device:
         install_cpu_shim()
     backend = args.distributed_backend or ("nccl" if use_cuda else "gloo")
     if backend == "nccl" and not use_cuda:
-        raise ValueError("--distributed-backend nccl needs a GPU; this machine has none (use gloo)")
+        raise ConfigError("--distributed-backend nccl needs a GPU; this machine has none (valid here: gloo)")
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
@@ -93,12 +94,6 @@ def _nothing() -> None:
     pass
 
 
-def _quiet_known_warnings() -> None:
-    # Expected on machines without TE/apex (Megatron falls back to torch) and from Megatron internals.
-    for message in ("Transformer Engine and Apex are not installed", "Apex is not installed",
-                    "MimoModelConfig is experimental", "The .grad attribute of a Tensor that is not a leaf",
-                    "absl.logging is not installed", "full scope is deprecated"):
-        warnings.filterwarnings("ignore", message=message)
 
 
 def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -> dict:
@@ -106,7 +101,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
 
     ``plugin=False`` builds the same run without installing the hooks (tests compare the two).
     """
-    _quiet_known_warnings()
+    install_warning_filters()  # the known-harmless upstream warnings (quiet.py); pretrain_gpt.py did it before imports
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -130,8 +125,9 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         tp_compressed=policy.compresses("tp") and args.tensor_model_parallel_size > 1)
     fusions, fusions_off = resolve_fusions(args, impl, cuda=cuda)
     if rank == 0:
-        if impl_note:
-            log(impl_note)
+        for note in (impl_note, optimizer_fallback_note(cuda)):
+            if note:
+                log(note)
         if fusions_off and cuda:  # on CPU all are off, as expected; on a GPU a missing library is worth a line
             log("> fusions off: " + ", ".join(f"{k} ({v})" for k, v in fusions_off.items()))
     if plugin:
