@@ -9,8 +9,9 @@ storages its pending works touch, and ``UntypedStorage.resize_`` to check them b
 is caught deterministically, whether or not the memory was actually in use at that instant.
 
 Activate it in every process of a launch by putting ``tools/heapcheck`` first on ``PYTHONPATH`` and setting
-``ZPP_INFLIGHT_CHECK=report`` (print each violation with both stacks and go on) or ``=abort`` (abort on the
-first). Each process prints one ``[inflight-check] ... checked N resizes, M violations`` line at exit.
+``ZPP_INFLIGHT_CHECK=report`` (print each violation with both stacks and go on), ``=abort`` (abort on the
+first) or ``=raise`` (raise ``InflightFreeError`` instead of resizing: the memory is never freed under the
+collective, so a test can provoke the race safely). Each process prints one ``[inflight-check] ... checked N resizes, M violations`` line at exit.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ _lock = threading.Lock()
 _pending: list[tuple[object, list[tuple[int, int]], str, str]] = []  # (work, [(ptr, nbytes)], op, where issued)
 _stats = {"resizes": 0, "violations": 0, "works": 0}
 _mode = "report"
+_installed = False
 
 
 def _tensors(obj):
@@ -83,11 +85,22 @@ def _wrap(name: str) -> None:
     setattr(dist.ProcessGroup, name, issue)
 
 
+class InflightFreeError(RuntimeError):
+    """A storage was about to be resized while a pending collective uses it (mode ``raise``)."""
+
+
+def violations() -> int:
+    return _stats["violations"]
+
+
 def install(mode: str = "report") -> None:
-    global _mode
-    if mode not in ("report", "abort"):
-        raise ValueError(f"ZPP_INFLIGHT_CHECK={mode!r}: use 'report' or 'abort'")
+    global _mode, _installed
+    if mode not in ("report", "abort", "raise"):
+        raise ValueError(f"ZPP_INFLIGHT_CHECK={mode!r}: use 'report', 'abort' or 'raise'")
     _mode = mode
+    if _installed:
+        return
+    _installed = True
     for name in COLLECTIVES:
         _wrap(name)
     original_wait = dist.Work.wait
@@ -115,6 +128,8 @@ def install(mode: str = "report") -> None:
                       + "".join(traceback.format_stack(limit=14)[:-1]), file=sys.stderr, flush=True)
                 if _mode == "abort":
                     os.abort()
+                if _mode == "raise":
+                    raise InflightFreeError(f"storage 0x{ptr:x} resized while a pending {op} work uses it")
         return original_resize(self, size)
 
     torch.UntypedStorage.resize_ = resize_
