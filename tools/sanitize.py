@@ -167,7 +167,7 @@ def main(argv=None) -> int:
         suites = [args.rest] if args.rest else DEFAULT_SUITE
         jobs = [[sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-s", *s] for s in suites]
     (args.out / "logs").mkdir(exist_ok=True)
-    results = []
+    results: list[dict] = []
     for i, cmd in enumerate(jobs):
         name = re.sub(r"[^\w.-]+", "_", Path(next((c for c in cmd if c.endswith(".py")), "command")).stem)
         print(f"$ {' '.join(cmd)}", flush=True)
@@ -175,15 +175,21 @@ def main(argv=None) -> int:
         results.append(r)
         print(f"  exit {r['returncode']} in {r['seconds']} s; {r['pytest']}; sanitizer reports: "
               f"{r['reports'] or 'none'}", flush=True)
+        write_results(args, env, loaded, results, pending=len(jobs) - i - 1)  # after each job: a cut-off run keeps them
+    print(f"results in {args.out / 'results.md'}")
+    return 0 if all(r["returncode"] == 0 and not r["reports"] for r in results) else 1
+
+
+def write_results(args, env: dict[str, str], loaded: str, results: list[dict], pending: int) -> None:
     lines = [f"# Sanitizer run ({args.sanitizers})", "", f"- extension: `{loaded}`",
              f"- `LD_PRELOAD={env['LD_PRELOAD']}`", f"- `ASAN_OPTIONS={env['ASAN_OPTIONS']}`",
              f"- `UBSAN_OPTIONS={env['UBSAN_OPTIONS']}`", f"- date: {time.strftime('%Y-%m-%d %H:%M %Z')}", "",
              "| command | exit | seconds | pytest | sanitizer reports |", "|---|---|---|---|---|"]
     lines += [f"| `{r['command'].replace(sys.executable, 'python')}` | {r['returncode']} | {r['seconds']} | "
               f"{r['pytest']} | {'; '.join(r['reports']) or 'none'} |" for r in results]
+    if pending:
+        lines.append(f"\n{pending} more job(s) not run yet.")
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
-    print(f"results in {args.out / 'results.md'}")
-    return 0 if all(r["returncode"] == 0 and not r["reports"] for r in results) else 1
 
 
 if __name__ == "__main__":
