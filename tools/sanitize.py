@@ -87,6 +87,10 @@ def sanitizer_env(shadow_root: Path, sanitizers: str) -> dict[str, str]:
     preload = [runtime_library("libasan.so")] if "address" in sanitizers else []
     if "undefined" in sanitizers:
         preload.append(runtime_library("libubsan.so"))
+    # libstdc++ preloaded too: python does not link it, torch loads it later with dlopen, and ASan's
+    # __cxa_throw interceptor, resolved at start-up, then finds no real __cxa_throw: the first C++ exception
+    # (any TORCH_CHECK) aborts with "CHECK failed: asan_interceptors.cpp ... real___cxa_throw" (measured).
+    preload.append(runtime_library("libstdc++.so.6"))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shadow_root), str(REPO), os.environ.get("PYTHONPATH")]))
     env["LD_PRELOAD"] = " ".join(filter(None, preload + [os.environ.get("LD_PRELOAD", "")]))
