@@ -106,7 +106,7 @@ def check_loaded(env: dict[str, str]) -> str:
     """Proves that the sanitized extension is what ``import megatron_zpp`` loads under ``env``."""
     code = ("import megatron_zpp.compression._extension as e, megatron_zpp._C as c; assert e.load(); "
             "print(c.__file__)")
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-P", "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"the sanitized extension does not load:\n{r.stdout}\n{r.stderr[-3000:]}")
     path = r.stdout.strip().splitlines()[-1]
@@ -169,7 +169,9 @@ def main(argv=None) -> int:
         jobs = [args.rest]
     else:
         suites = [args.rest] if args.rest else DEFAULT_SUITE
-        jobs = [[sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-s", *s] for s in suites]
+        # -P: no working directory on sys.path, else the repository's own megatron_zpp (with the ordinary
+        # extension) shadows the sanitized one (check_loaded caught exactly that).
+        jobs = [[sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-s", *s] for s in suites]
     (args.out / "logs").mkdir(exist_ok=True)
     results: list[dict] = []
     for i, cmd in enumerate(jobs):
