@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train test test-oldest-torch gpu-kit test-gpu-kit soak bench bench-codecs bench-collectives bench-training sweep cuda-build clean
+.PHONY: train test test-oldest-torch gpu-kit test-gpu-kit soak sanitize launch-loop bench bench-codecs bench-collectives bench-training sweep cuda-build clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/include/zpp/*.h csrc/include/zpp/*.cuh)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -98,6 +98,17 @@ test-oldest-torch:
 SOAK_OUT ?= out/soak
 soak: $(STAMP)
 	$(PY) tools/soak.py --out $(SOAK_OUT) $(ARGS)
+
+# Heap-corruption checks (docs/reliability/heap-corruption.md). sanitize: the C++ extension built with ASan +
+# UBSan into out/sanitize (never over the in-place build), then the codec, kernel, collective and training tests
+# with the sanitizer runtimes preloaded; results in out/sanitize/results.md. launch-loop: the smallest
+# Megatron-FSDP launch repeated for LOOP_MINUTES under MALLOC_CHECK_=3 and MALLOC_PERTURB_.
+LOOP_MINUTES ?= 60
+sanitize: $(STAMP)
+	$(PY) tools/sanitize.py $(ARGS)
+
+launch-loop: $(STAMP)
+	nice -n 10 $(PY) tools/launch_loop.py --minutes $(LOOP_MINUTES) --out out/launch-loop $(ARGS)
 
 cuda-build: $(STAMP)
 	$(PY) tools/cuda_build.py

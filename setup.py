@@ -16,6 +16,10 @@ Makefile does). An isolated build has no torch (pyproject.toml's build-system do
 not pull one), so it yields a pure-Python package; its CPU kernels then JIT-build on
 first use from the C++ sources that every wheel carries as ``megatron_zpp/_csrc``.
 Package metadata and dependency ranges live in pyproject.toml.
+
+``ZPP_SANITIZE=address,undefined`` (see ``sanitizer_flags`` in ``_extension.py``) builds the CPU kernels
+with AddressSanitizer/UndefinedBehaviorSanitizer, for debugging only: ``tools/sanitize.py`` builds such a
+copy out of place and runs tests with the sanitizer runtimes preloaded (docs/reliability/heap-corruption.md).
 """
 
 import importlib.util
@@ -64,6 +68,7 @@ def extensions():
     flags = _build_flags()
     sources = ["csrc/ops_registration.cpp", "csrc/cpu/quant_cpu.cpp", "csrc/cpu/mpc_cpu.cpp", "csrc/cpu/zfp_cpu.cpp"]
     include_dirs = [str(ROOT / "csrc" / "include")]
+    sanitize = flags.sanitizer_flags(os.environ.get("ZPP_SANITIZE"))
     cuda_home = cpp_extension.CUDA_HOME
     decision = flags.decide_cuda_build(os.environ.get("ZPP_BUILD_CUDA"), cuda_home, torch.version.cuda,
                                        flags.nvcc_version(cuda_home) if cuda_home else None)
@@ -79,15 +84,16 @@ def extensions():
                        "csrc/cuda/mpc_cuda_binding.cpp", "csrc/cuda/mpc_kernels.cu",
                        "csrc/cuda/zfp_cuda_binding.cpp", "csrc/cuda/zfp_kernels.cu"],
             include_dirs=include_dirs,
-            extra_compile_args={"cxx": flags.CPU_CFLAGS + ["-DZPP_WITH_CUDA"], "nvcc": flags.nvcc_flags(archs)},
-            extra_link_args=["-fopenmp"],
+            extra_compile_args={"cxx": flags.CPU_CFLAGS + sanitize + ["-DZPP_WITH_CUDA"],
+                                "nvcc": flags.nvcc_flags(archs)},
+            extra_link_args=["-fopenmp"] + sanitize,
         )]
     return [cpp_extension.CppExtension(
         "megatron_zpp._C",
         sources,
         include_dirs=include_dirs,
-        extra_compile_args={"cxx": flags.CPU_CFLAGS},
-        extra_link_args=["-fopenmp"],
+        extra_compile_args={"cxx": flags.CPU_CFLAGS + sanitize},
+        extra_link_args=["-fopenmp"] + sanitize,
     )]
 
 

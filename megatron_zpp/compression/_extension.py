@@ -36,6 +36,31 @@ _CSRC = next((p for p in (_PACKAGE.parent / "csrc", _PACKAGE / "_csrc") if (p / 
 # x86-64-v4 (AVX-512) too and picks the best the CPU has at run time.
 CPU_CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-std=c++20"]
 
+# ZPP_SANITIZE=address,undefined (any of SANITIZERS, comma-separated) builds the CPU kernels with those
+# sanitizers, for tools/sanitize.py (docs/reliability/heap-corruption.md). Such a build only loads into a
+# process that preloads the sanitizer runtimes (LD_PRELOAD=$(gcc -print-file-name=libasan.so)), since the
+# Python interpreter itself is not instrumented; never install it for ordinary use.
+SANITIZERS = ("address", "undefined", "leak", "thread")
+
+
+def sanitizer_flags(value: str | None) -> list[str]:
+    """Compiler and linker flags for ``ZPP_SANITIZE``: none when it is unset or empty. Raises SystemExit
+    naming the bad entry and the valid choices (setup.py's error must be readable, not a traceback)."""
+    names = [n.strip() for n in (value or "").split(",") if n.strip()]
+    if not names:
+        return []
+    bad = [n for n in names if n not in SANITIZERS]
+    if bad:
+        raise SystemExit(f"ZPP_SANITIZE={value!r}: unknown sanitizer {bad[0]!r}; choose from {', '.join(SANITIZERS)} "
+                         "(comma-separated, e.g. ZPP_SANITIZE=address,undefined)")
+    if "thread" in names and ("address" in names or "leak" in names):
+        raise SystemExit(f"ZPP_SANITIZE={value!r}: 'thread' cannot be combined with 'address' or 'leak'")
+    # -g and frame pointers: readable stacks in the reports. -fno-sanitize-recover: UBSan aborts at the
+    # first report like ASan does, so a test cannot pass over undefined behaviour.
+    return [f"-fsanitize={','.join(names)}", "-fno-omit-frame-pointer", "-g"] + \
+        (["-fno-sanitize-recover=undefined"] if "undefined" in names else [])
+
+
 # --fmad=false backs up the explicit _rn intrinsics: device code must not contract multiply+add either.
 NVCC_BASE_FLAGS = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "--fmad=false"]
 
@@ -243,13 +268,16 @@ def load() -> bool:
 
         build_dir = Path(os.environ.get("ZPP_EXTENSION_DIR", Path.home() / ".cache" / "megatron_zpp"))
         build_dir = build_dir / f"torch{torch.__version__.split('+')[0]}"
+        sanitize = sanitizer_flags(os.environ.get("ZPP_SANITIZE"))
+        if sanitize:  # never mixed with the cached ordinary build
+            build_dir = build_dir.with_name(build_dir.name + "-sanitize-" + os.environ["ZPP_SANITIZE"].replace(",", "-"))
         build_dir.mkdir(parents=True, exist_ok=True)
         jit_load(
             name="megatron_zpp_C",
             sources=[str(p) for p in cpu_sources()],
             extra_include_paths=[str(p) for p in include_dirs()],
-            extra_cflags=CPU_CFLAGS,
-            extra_ldflags=["-fopenmp"],
+            extra_cflags=CPU_CFLAGS + sanitize,
+            extra_ldflags=["-fopenmp"] + sanitize,
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=os.environ.get("ZPP_JIT_VERBOSE") == "1",

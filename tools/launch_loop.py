@@ -1,0 +1,202 @@
+"""Launch loop: run the smallest Megatron-FSDP launch that once died of heap corruption, N times, and count.
+
+The crash (docs/reliability/heap-corruption.md): one launch in about 170 of Megatron-FSDP training on gloo/CPU
+(4 ranks as 2 simulated nodes x 2, policy ``none``) died with ``malloc(): unaligned tcache chunk detected``.
+This tool repeats the smallest such launch (``pretrain_gpt.py``, tiny GPT, 2 iterations) with glibc's heap
+checks on and records every launch that does not end cleanly:
+
+- ``MALLOC_CHECK_=3`` through ``LD_PRELOAD=libc_malloc_debug.so`` (glibc >= 2.34 honours MALLOC_CHECK_ only
+  with that library preloaded; without it the variable does nothing);
+- ``MALLOC_PERTURB_`` (``--perturb``, default 165): freed memory is overwritten with that byte and fresh
+  memory with its complement, so a read through a dangling pointer sees garbage instead of the old values
+  (a use-after-free becomes a wrong loss or a crash instead of going unnoticed).
+
+Each launch's log is kept only when it failed (``fail-<n>.txt``); ``results.json`` and ``results.md`` say how
+many launches ran, how many failed and how, and the exact command and environment. Exit status 1 when any
+launch failed.
+
+    nice -n 10 python tools/launch_loop.py --launches 40 --out out/launch-loop
+    python tools/launch_loop.py --minutes 50 --out out/launch-loop      # as many as fit in 50 minutes
+    python tools/launch_loop.py --launches 5 --extra --zpp-policy zeropp  # any pretrain_gpt flag after --extra
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# The launch of docs/performance.md's crash, made as short as it can be: the soak's tiny GPT (tools/soak.py),
+# Megatron-FSDP with both overlaps (the crashing path), policy none (Megatron's own collectives), 2 iterations
+# (the crash came before the first step; the second covers the first optimizer step and the gather after it).
+SMALLEST_FSDP_LAUNCH = ["--zpp-policy", "none", "--zpp-ranks-per-node", "2",
+                        "--use-megatron-fsdp", "--overlap-grad-reduce", "--overlap-param-gather",
+                        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+                        "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-iters", "1",
+                        "--train-iters", "2", "--log-interval", "1"]
+
+# What glibc (and the sanitizers) print on heap corruption.
+HEAP_MESSAGE = re.compile(r"(malloc\(\)[^\n]*|free\(\)[^\n]*|corrupted [^\n]*|double free[^\n]*|"
+                          r"munmap_chunk\(\)[^\n]*|realloc\(\)[^\n]*|ERROR: AddressSanitizer[^\n]*)")
+CHILD_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")
+
+
+def malloc_debug_library() -> str | None:
+    """glibc's ``libc_malloc_debug.so`` (needed for MALLOC_CHECK_ since glibc 2.34), None if absent."""
+    for d in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64", "/lib", "/usr/lib"):
+        p = Path(d) / "libc_malloc_debug.so.0"
+        if p.exists():
+            return str(p)
+    return None
+
+
+def launch_env(args) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("OMP_WAIT_POLICY", "passive")
+    if args.malloc_check:
+        lib = malloc_debug_library()
+        if lib is None:
+            raise SystemExit("--malloc-check: glibc's libc_malloc_debug.so.0 was not found; MALLOC_CHECK_ would "
+                             "do nothing without it (glibc >= 2.34). Pass --no-malloc-check to run anyway.")
+        env["LD_PRELOAD"] = " ".join(filter(None, [env.get("LD_PRELOAD"), lib]))
+        env["MALLOC_CHECK_"] = "3"
+    if args.perturb:
+        env["MALLOC_PERTURB_"] = str(args.perturb)
+    return env
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def one_launch(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float) -> dict:
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            code, timed_out = None, True
+            _kill_group(proc)
+        except BaseException:
+            _kill_group(proc)
+            raise
+    text = log_path.read_text(errors="replace")
+    record = {"returncode": code, "seconds": round(time.perf_counter() - t0, 1), "timed_out": timed_out}
+    signals = sorted({int(c) for c in CHILD_EXIT.findall(text) if int(c) < 0})
+    if signals:
+        record["rank_signals"] = [signal.Signals(-c).name if -c in signal.Signals.__members__.values() else str(c)
+                                  for c in signals]
+    heap = HEAP_MESSAGE.search(text)
+    if heap:
+        record["heap_message"] = heap.group(1).strip()
+    record["finished"] = "> summary:" in text
+    record["ok"] = code == 0 and not timed_out and not heap and record["finished"]
+    return record
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--launches", type=int, default=0, help="launches to run (0: as many as --minutes allows)")
+    p.add_argument("--minutes", type=float, default=0.0, help="stop starting launches after this many minutes")
+    p.add_argument("--out", type=Path, default=REPO / "out" / "launch-loop")
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before one launch counts as hung")
+    p.add_argument("--perturb", type=int, default=165, help="MALLOC_PERTURB_ byte (0: off)")
+    p.add_argument("--no-malloc-check", dest="malloc_check", action="store_false",
+                   help="do not preload libc_malloc_debug.so with MALLOC_CHECK_=3")
+    p.add_argument("--python", default=sys.executable)
+    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
+                   help="flags appended to the launch (later flags override earlier ones)")
+    a = p.parse_args(argv)
+    if a.launches <= 0 and a.minutes <= 0:
+        p.error("give --launches N (N > 0) or --minutes M (M > 0)")
+    if not 0 <= a.perturb <= 255:
+        p.error(f"--perturb {a.perturb}: give a byte value 0..255 (0 turns MALLOC_PERTURB_ off)")
+    return a
+
+
+def write_results(out: Path, meta: dict, records: list[dict]) -> None:
+    failures = [r for r in records if not r["ok"]]
+    summary = dict(meta, launches=len(records), failures=len(failures),
+                   mean_seconds=round(sum(r["seconds"] for r in records) / max(1, len(records)), 1))
+    (out / "results.json").write_text(json.dumps({"summary": summary, "launches": records}, indent=1))
+    lines = [f"# Launch loop: {len(records)} launches, {len(failures)} failed", "",
+             f"- command: `{meta['command']}`",
+             f"- environment: {', '.join(f'`{k}={v}`' for k, v in meta['env'].items())}",
+             f"- versions: {meta['versions']}",
+             f"- started {meta['started']}, mean {summary['mean_seconds']} s per launch", ""]
+    if failures:
+        lines += ["| launch | exit | signals | heap message | log |", "|---|---|---|---|---|"]
+        lines += [f"| {r['launch']} | {r['returncode']} | {', '.join(r.get('rank_signals', []))} | "
+                  f"{r.get('heap_message', '')} | {r.get('log', '')} |" for r in failures]
+    else:
+        lines.append("No launch failed.")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+
+
+def versions(python: str) -> str:
+    code = ("import sys, torch, importlib.metadata as m; "
+            "print(f'python {sys.version.split()[0]}, torch {torch.__version__}, '"
+            "f'megatron-core {m.version(\"megatron-core\")}')")
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        out = f"unknown ({exc})"
+    return f"{out}, glibc {platform.libc_ver()[1]}"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = launch_env(args)
+    cmd = [args.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+           str(REPO / "pretrain_gpt.py"), *SMALLEST_FSDP_LAUNCH, *args.extra]
+    shown_env = {k: env[k] for k in ("LD_PRELOAD", "MALLOC_CHECK_", "MALLOC_PERTURB_", "OMP_NUM_THREADS") if k in env}
+    meta = {"command": " ".join(cmd), "env": shown_env, "versions": versions(args.python),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    records: list[dict] = []
+    t0 = time.monotonic()
+    n = 0
+    while True:
+        if args.launches and n >= args.launches:
+            break
+        if args.minutes and time.monotonic() - t0 > args.minutes * 60:
+            break
+        n += 1
+        log_path = args.out / "current.txt"
+        record = dict(launch=n, **one_launch(cmd, env, log_path, args.timeout))
+        if not record["ok"]:
+            kept = args.out / f"fail-{n}.txt"
+            log_path.rename(kept)
+            record["log"] = kept.name
+        records.append(record)
+        print(f"launch {n}: {'ok' if record['ok'] else 'FAILED'} in {record['seconds']} s"
+              + (f" ({record.get('heap_message') or record.get('rank_signals') or record['returncode']})"
+                 if not record["ok"] else ""), flush=True)
+        write_results(args.out, meta, records)
+    (args.out / "current.txt").unlink(missing_ok=True)
+    failed = sum(not r["ok"] for r in records)
+    print(f"{len(records)} launches, {failed} failed; results in {args.out}/results.md")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
