@@ -137,6 +137,8 @@ def test_agreement_names_every_failed_rank_on_every_rank():
         "one": "rank 1 failed in policy switch: OSError: [Errno 28] No space left on device",
         "two": "rank 0 failed in checkpoint commit: ValueError: zero; rank 1 failed in checkpoint commit: KeyError: 'one'",
         "same": "ValueError: bad --load",
+        "tracker": "--load /ckpt: the ranks read different iterations from latest_checkpointed_iteration.txt (3 to 4); "
+                   "a shared file system showing ranks different files?",
     }
 
 
@@ -166,6 +168,14 @@ def _agreement_checks():
     except ValueError as e:
         assert is_agreed(e)
         out["same"] = f"{type(e).__name__}: {e}"
+    from megatron_zpp.training.checkpoint import CheckpointError, _agree_on_iteration
+
+    _agree_on_iteration("/ckpt", 7, agreement)  # the same tracker everywhere: passes
+    try:  # a stale shared-file-system view on one rank: both refuse, naming the range
+        _agree_on_iteration("/ckpt", 3 if rank == 0 else 4, agreement)
+    except CheckpointError as e:
+        assert is_agreed(e)
+        out["tracker"] = str(e)
     if rank == 0:  # no watchdog: a collective step's failure is raised on its rank only
         try:
             with agreement.step("outer"):

@@ -236,6 +236,12 @@ def analyse(result: RunResult, summary: dict, args) -> None:
         result.failures.append(f"{what} slope {held:.2f} MB/100 steps after warm-up > "
                                f"{result.rss_limit_mb_per_100}{heap_text}"
                                + (f" (allowance: {allowance.reason})" if allowance else ""))
+    elif (result.rss_slope_last_half_mb_per_100 is not None
+          and result.rss_slope_last_half_mb_per_100 > result.rss_limit_mb_per_100):
+        # File-backed or shared pages that still grow over the run's second half are no settling library:
+        # a leaked mapping (an index re-opened per evaluation, tensors in /dev/shm) shows here only.
+        result.failures.append(f"total RSS slope {result.rss_slope_last_half_mb_per_100:.2f} MB/100 steps over "
+                               f"the second half > {result.rss_limit_mb_per_100}")
     elif allowance and held > args.rss_limit:
         result.flags.append(f"{what} slope {held:.2f} MB/100 steps within its allowance "
                             f"{allowance.limit_mb_per_100}: {allowance.reason}")
@@ -342,8 +348,9 @@ def parse_args(argv=None):
                         "log interval)")
     p.add_argument("--rss-limit", type=float, default=RSS_LIMIT_DEFAULT,
                    help="a run FAILS when its anonymous resident memory (maximum over ranks; total RSS off Linux) "
-                        "grows faster than this many MB per 100 steps after --warmup (least-squares slope), unless "
-                        "RSS_ALLOWANCES names it (default %(default)s, see RSS_LIMIT_DEFAULT)")
+                        "grows faster than this many MB per 100 steps after --warmup (least-squares slope), or its total "
+                        "resident memory over the run's second half, unless RSS_ALLOWANCES names it (default "
+                        "%(default)s, see RSS_LIMIT_DEFAULT)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per launch (default 180 + 1 per step)")
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--ranks-per-node", type=int, default=2)

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_zpp.training import faults
-from megatron_zpp.training.agreement import Agreement
+from megatron_zpp.training.agreement import Agreement, mark_agreed
 
 CKPT_FORMATS = ("torch_dist", "fsdp_dtensor")
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's name
@@ -365,9 +365,16 @@ def save_checkpoint(args, iteration: int, models: list, optimizer, scheduler, ho
     with agreement.step("checkpoint commit", local=True, on_failure=discard):
         if rank == 0:
             old = root / f"iter_{iteration:07d}.old"
+            if old.exists():  # left by a save of this iteration that died between the two renames below
+                shutil.rmtree(old)
             if final.exists():  # saving the same iteration again (a rerun): swap, then drop the old one
                 final.rename(old)
-            partial.rename(final)
+            try:
+                partial.rename(final)
+            except BaseException:
+                if old.exists() and not final.exists():
+                    old.rename(final)  # the tracker may name this iteration: keep its verified copy in place
+                raise
             _fsync_dir(root)
             _write_atomically(root / TRACKER, str(iteration))
             if old.exists():
@@ -541,6 +548,7 @@ def load_checkpoint(args, models: list, optimizer, scheduler, hooks=None, log=pr
     with agreement.step("checkpoint load", local=True):
         iteration = read_tracker(args.load)
         folder = Path(args.load) / f"iter_{iteration:07d}"
+    _agree_on_iteration(args.load, iteration, agreement)
     verify_checkpoint(folder)
     with agreement.step("checkpoint load", local=True):
         _check_loadable(args, folder, models)
@@ -549,6 +557,21 @@ def load_checkpoint(args, models: list, optimizer, scheduler, hooks=None, log=pr
         faults.raise_if("load", iteration)
         _load_into(args, folder, iteration, models, optimizer, scheduler, hooks, log)
     return iteration
+
+
+def _agree_on_iteration(directory: str, iteration: int, agreement: Agreement) -> None:
+    """Every rank read the same tracker (a shared file system with stale attribute caches may show ranks
+    different ones after a restart: they would then load different folders)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    seen = torch.tensor([iteration, -iteration], dtype=torch.int64, device=agreement.device)
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    low, high = -int(seen[1].item()), int(seen[0].item())
+    if low != high:
+        error = CheckpointError(f"--load {directory}: the ranks read different iterations from {TRACKER} "
+                                f"({low} to {high}); a shared file system showing ranks different files?")
+        mark_agreed(error)
+        raise error
 
 
 def _check_loadable(args, folder: Path, models) -> None:

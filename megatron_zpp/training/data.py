@@ -374,22 +374,19 @@ def build_datasets(args, tokenizer) -> Data:
         dist.barrier()
         blend, source = ([str(builtin_corpus_prefix())], None), "built-in corpus (Python stdlib sources)"
     prefixes = blend_prefixes(blend, blend_per_split)
-    try:
-        check_splits(blend, blend_per_split, split, args.seq_length)
-    except ValueError as e:
-        mark_agreed(e)  # from the flags and the data: the same on every rank (agreement.py)
-        raise
-    # One rank reads the data for its largest id (cached for large files); all ranks raise the same error.
+    # Rank 0 checks the splits and reads the data for its largest id (cached for large files); every rank raises
+    # rank 0's verdict, so a node-local copy that differs cannot fail some ranks only (agreement.py).
     verdict = [None]
     if dist.get_rank() == 0:
         try:
+            check_splits(blend, blend_per_split, split, args.seq_length)
             check_vocab(prefixes, tokenizer.vocab_size, args.tokenizer_type)
         except ValueError as e:
-            verdict = [str(e)]
+            verdict = [e]
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
-        error = ValueError(verdict[0])
-        mark_agreed(error)  # every rank raises rank 0's verdict
+        error = verdict[0]
+        mark_agreed(error)  # every rank raises rank 0's verdict, with its type
         raise error
 
     path_to_cache = Path(args.data_cache_path) if args.data_cache_path else index_cache_dir(prefixes)

@@ -113,10 +113,14 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
     args = build_parser().parse_args(argv)
     device = _init_distributed(args)
     world, rank = dist.get_world_size(), dist.get_rank()
-    args = validate_args(args, world)
-    # The same path as Megatron-LM's script (install_from_args): the dp.grad schedule reads
-    # args.curr_iteration, which the loop below sets as Megatron-LM's does.
-    hooks = hooks_from_args(args)
+    # The checks read files (data prefixes, tokenizer files, a policy YAML) on each rank: one staged on some
+    # nodes only must not leave the others in the next collective with no watchdog yet. A local step: the same
+    # error on every rank is raised as it is (a ConfigError: one line, exit 2), else every rank names the ranks.
+    with Agreement(device=device).step("configuration", local=True):
+        args = validate_args(args, world)
+        # The same path as Megatron-LM's script (install_from_args): the dp.grad schedule reads
+        # args.curr_iteration, which the loop below sets as Megatron-LM's does.
+        hooks = hooks_from_args(args)
     hooks.device_type = device.type
     policy = hooks.policy
     cuda = device.type == "cuda"
