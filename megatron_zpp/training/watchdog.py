@@ -297,16 +297,8 @@ class RankWatchdog:
         """After :meth:`report_failure`: wait (bounded by the look at the heartbeats) until every other rank
         has read the verdict and is exiting. Rank 0 may host the store, which its exit takes down, and a failed
         rank's cleanup must not race a peer still writing."""
-        if not self.enabled:
-            return
-        deadline = time.monotonic() + (LOOK_INTERVALS + 2) * self.config.heartbeat_interval
-        waiting = [r for r in range(self.world) if r != self.rank]
-        while waiting and time.monotonic() < deadline:
-            try:
-                waiting = [r for r in waiting if not self.store.check([f"exiting{r}"])]
-            except Exception:  # noqa: BLE001
-                return
-            time.sleep(0.1)
+        if self.enabled:
+            self._wait_until_exiting([r for r in range(self.world) if r != self.rank])
 
     def mark_exiting(self) -> None:
         try:
@@ -367,14 +359,16 @@ class RankWatchdog:
         """Rank 0 hosts the store when launched without torchrun (env:// rendezvous): on a failure it waits
         (bounded) until every rank still alive has read the verdict and is exiting, as its own exit takes the
         store down with it."""
-        if self.rank != 0 or not self.enabled:
-            return
+        if self.rank == 0 and self.enabled:
+            self._wait_until_exiting([r for r in range(1, self.world) if r not in self._gone])
+
+    def _wait_until_exiting(self, waiting: list[int]) -> None:
+        """Until each rank of ``waiting`` has marked itself exiting, bounded by the look at the heartbeats."""
         deadline = time.monotonic() + (LOOK_INTERVALS + 2) * self.config.heartbeat_interval
-        waiting = [r for r in range(1, self.world) if r not in self._gone]
         while waiting and time.monotonic() < deadline:
             try:
                 waiting = [r for r in waiting if not self.store.check([f"exiting{r}"])]
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - the store is gone: nobody left to wait for
                 return
             time.sleep(0.1)
 
