@@ -118,11 +118,11 @@ def _record_first_batch_and_train(argv: list[str]) -> dict:
 
     original, first = trainer._forward_step, []
 
-    def recording(device, on_micro_batch, data_iterator, model):
+    def recording(device, on_micro_batch, agreement, data_iterator, model):
         batch = next(data_iterator)
         if not first:
             first.append(batch["tokens"].clone())
-        return original(device, on_micro_batch, iter([batch]), model)
+        return original(device, on_micro_batch, agreement, iter([batch]), model)
 
     trainer._forward_step = recording
     try:
