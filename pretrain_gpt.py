@@ -8,7 +8,9 @@ Megatron-LM's flag names plus ``--zpp-*``; see ``python pretrain_gpt.py --help``
 Without a GPU it runs on CPU processes with gloo (the CPU shim is applied automatically).
 
 A configuration error (a bad flag value, policy or combination: ``ConfigError``) is one line from rank 0, and
-every rank exits with 2, as argparse does for a bad flag; any other exception is a bug and keeps its traceback.
+every rank exits with 2, as argparse does for a bad flag. A ``--load`` checkpoint that cannot be loaded
+(``CheckpointLoadError``: missing, of another format or model, corrupted; every rank agrees on it before raising) is
+likewise one line from rank 0, exit 1 everywhere. Any other exception is a bug and keeps its traceback.
 """
 
 import os
@@ -21,10 +23,12 @@ from megatron_zpp.training.quiet import install_warning_filters, launch_rank
 install_warning_filters()
 
 from megatron_zpp.policy import ConfigError
+from megatron_zpp.training.checkpoint import CheckpointLoadError
 from megatron_zpp.training.trainer import pretrain
 from megatron_zpp.training.watchdog import EXIT_CODE, RankFailureError, stop_child_processes
 
 USAGE_ERROR = 2  # argparse's exit status for a bad command line
+CHECKPOINT_LOAD_ERROR = 1
 
 
 def _end_process_group() -> None:
@@ -40,12 +44,14 @@ def main(argv: list[str]) -> None:
     try:
         pretrain(argv)
         _end_process_group()
-    except ConfigError as e:
-        # Every rank reads the same command line and raises the same error: rank 0 says it, once.
+    except (ConfigError, CheckpointLoadError) as e:
+        # Every rank reads the same command line and raises the same error (a load error only once the ranks
+        # agreed on it: agreement.py raises the original error only when every rank failed with it, a
+        # StepFailedError naming the rank otherwise): rank 0 says it, once.
         if launch_rank() == 0:
             print(f"{os.path.basename(__file__)}: error: {e}", file=sys.stderr, flush=True)
         _end_process_group()
-        sys.exit(USAGE_ERROR)
+        sys.exit(USAGE_ERROR if isinstance(e, ConfigError) else CHECKPOINT_LOAD_ERROR)
     except RankFailureError as e:
         # Another rank died, hung or failed a step (the message names it), or this rank failed a step and its
         # peers were told (agreement.py): exit now. The interpreter's own shutdown would join communication and

@@ -102,6 +102,24 @@ def test_main_says_a_config_error_once_and_exits_2(rank, monkeypatch, capsys):
     assert (out, err) == ("", expected)
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_main_says_an_agreed_checkpoint_error_once_and_exits_1(rank, monkeypatch, capsys):
+    from megatron_zpp.training.checkpoint import CheckpointLoadError
+
+    def pretrain(argv):
+        raise CheckpointLoadError("--load /ckpt: saved with --ckpt-format torch_dist, this run uses fsdp_dtensor")
+
+    module = _pretrain_gpt(monkeypatch, pretrain)
+    monkeypatch.setenv("RANK", rank)
+    with pytest.raises(SystemExit) as caught:
+        module.main([])
+    assert caught.value.code == 1
+    out, err = capsys.readouterr()
+    expected = ("pretrain_gpt.py: error: --load /ckpt: saved with --ckpt-format torch_dist, this run uses "
+                "fsdp_dtensor\n" if rank == "0" else "")
+    assert (out, err) == ("", expected)
+
+
 def test_main_lets_a_bug_through_with_its_traceback(monkeypatch):
     """A ValueError that is not a ConfigError is a bug: main() does not catch it, so the interpreter prints its
     traceback and exits 1 (the launch test below checks that on real processes)."""
@@ -144,11 +162,16 @@ def _launch(world: int, argv: list[str], *, code: str | None = None) -> tuple[li
 
 LAUNCHED = {c[0]: c[1:] for c in BAD_CONFIGS}
 LAUNCHED["argparse"] = (["--lr-decay-style", "foo"], 2, ["'foo'", "choose from 'constant', 'linear'"])
+# Not a ConfigError: a --load checkpoint that cannot be loaded (CheckpointLoadError, agreed by every rank in load_checkpoint), exit 1.
+LAUNCHED["checkpoint-missing"] = (["--load", "/nonexistent/ckpt"], 2,
+                                  ["--load /nonexistent/ckpt", "latest_checkpointed_iteration.txt"])
+EXIT_CODES = {"checkpoint-missing": 1}
 
 
 @pytest.mark.parametrize("case", [
     "policy-name",  # a ConfigError raised after torch.distributed is up; the others are slow-only
-    *(pytest.param(c, marks=pytest.mark.slow) for c in ("codec-spec", "world-size", "fsdp-ckpt-format", "argparse")),
+    *(pytest.param(c, marks=pytest.mark.slow)
+      for c in ("codec-spec", "world-size", "fsdp-ckpt-format", "argparse", "checkpoint-missing")),
 ])
 def test_a_launch_with_a_bad_configuration_says_it_once(case):
     flags, world, says = LAUNCHED[case]
@@ -159,7 +182,7 @@ def test_a_launch_with_a_bad_configuration_says_it_once(case):
     for part in says:
         assert part in lines[0], f"{part!r} not in {lines[0]!r}"
     assert "Traceback" not in output
-    assert codes == [2] * world, codes
+    assert codes == [EXIT_CODES.get(case, 2)] * world, codes
 
 
 @pytest.mark.slow

@@ -46,7 +46,7 @@ def test_allocation_tracer_names_the_growing_line(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- the flight recorder's ring
 
 def test_flight_recorder_default_is_off_on_gloo_only_and_respects_the_user():
-    from megatron_zpp.training.trainer import flight_recorder_default
+    from megatron_zpp.megatron.flight_recorder import flight_recorder_default
 
     env = {}
     flight_recorder_default("gloo", env)
@@ -65,7 +65,7 @@ def _collectives_heap_growth(rank: int, store: str, calls: int, user_buffer: str
     import torch
     import torch.distributed as dist
 
-    from megatron_zpp.training.trainer import flight_recorder_default
+    from megatron_zpp.megatron.flight_recorder import flight_recorder_default
 
     if user_buffer is not None:
         os.environ["TORCH_FR_BUFFER_SIZE"] = user_buffer

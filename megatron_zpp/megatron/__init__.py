@@ -13,6 +13,9 @@ object that ``parse_and_validate_args`` returned) and ``args.train_iters``.
 The CPU shim (``cpu_shim.py``) is only for machines without a GPU.
 """
 
+import torch.distributed as dist
+
+from megatron_zpp.megatron.flight_recorder import flight_recorder_default
 from megatron_zpp.megatron.hooks import MegatronHooks
 from megatron_zpp.policy import add_zpp_args, resolve_policy, zpp_config_from_args
 
@@ -59,6 +62,8 @@ def install_from_args(args) -> MegatronHooks:
     """:func:`hooks_from_args`, installed: call after ``parse_and_validate_args``, before ``pretrain()``."""
     hooks = hooks_from_args(args)
     check_transformer_impl(args, hooks)
+    if not dist.is_initialized():  # Megatron-LM's pretrain() creates the process group after this call
+        flight_recorder_default(getattr(args, "distributed_backend", None))
     return hooks.install()
 
 

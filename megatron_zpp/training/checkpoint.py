@@ -63,6 +63,12 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded: missing, truncated, corrupted, or of another kind."""
 
 
+class CheckpointLoadError(CheckpointError):
+    """``--load`` names a checkpoint this run cannot load (missing, of another format or model, failing
+    verification). Raised only once every rank agrees, so ``pretrain_gpt.py`` says it once, from rank 0, as a user
+    error; a save that fails verification stays a :class:`CheckpointError`, printed by every rank."""
+
+
 # ---------------------------------------------------------------------------------------------------- helpers
 def _die_like_a_lost_node() -> None:
     """SIGKILL this rank and the helper processes it started (Megatron's checkpoint writer keeps a Manager
@@ -387,12 +393,12 @@ def read_tracker(directory: str) -> int:
     root = Path(directory)
     tracker = root / TRACKER
     if not tracker.exists():
-        raise CheckpointError(f"--load {directory}: no {TRACKER}; nothing was saved there (or a save never finished)")
+        raise CheckpointLoadError(f"--load {directory}: no {TRACKER}; nothing was saved there (or a save never finished)")
     text = tracker.read_text().strip()
     try:
         return int(text)
     except ValueError:
-        raise CheckpointError(f"--load {directory}: {TRACKER} holds {text!r}, not an iteration number") from None
+        raise CheckpointLoadError(f"--load {directory}: {TRACKER} holds {text!r}, not an iteration number") from None
 
 
 _ALLOWED_PICKLE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
@@ -549,7 +555,12 @@ def load_checkpoint(args, models: list, optimizer, scheduler, hooks=None, log=pr
         iteration = read_tracker(args.load)
         folder = Path(args.load) / f"iter_{iteration:07d}"
     _agree_on_iteration(args.load, iteration, agreement)
-    verify_checkpoint(folder)
+    try:
+        verify_checkpoint(folder)
+    except CheckpointError as e:  # agreed by every rank: a checkpoint this run cannot load
+        error = CheckpointLoadError(f"--load {args.load}: {e}")
+        mark_agreed(error)
+        raise error from None
     with agreement.step("checkpoint load", local=True):
         _check_loadable(args, folder, models)
     # The read is collective (DCP); on success the ranks confirm before any uses it.
@@ -568,7 +579,7 @@ def _agree_on_iteration(directory: str, iteration: int, agreement: Agreement) ->
     dist.all_reduce(seen, op=dist.ReduceOp.MAX)
     low, high = -int(seen[1].item()), int(seen[0].item())
     if low != high:
-        error = CheckpointError(f"--load {directory}: the ranks read different iterations from {TRACKER} "
+        error = CheckpointLoadError(f"--load {directory}: the ranks read different iterations from {TRACKER} "
                                 f"({low} to {high}); a shared file system showing ranks different files?")
         mark_agreed(error)
         raise error
@@ -580,11 +591,11 @@ def _check_loadable(args, folder: Path, models) -> None:
     manifest = json.loads((folder / MANIFEST).read_text())
     saved_format = manifest.get("format")
     if saved_format != args.ckpt_format:
-        raise CheckpointError(f"--load {args.load}: saved with --ckpt-format {saved_format}, this run uses "
+        raise CheckpointLoadError(f"--load {args.load}: saved with --ckpt-format {saved_format}, this run uses "
                               f"{args.ckpt_format} (valid: {', '.join(CKPT_FORMATS)}; Megatron-FSDP needs fsdp_dtensor)")
     saved_vocab = manifest.get("padded_vocab_size")
     if saved_vocab is not None and saved_vocab != _padded_vocab(models):
-        raise CheckpointError(
+        raise CheckpointLoadError(
             f"--load {args.load}: saved with a padded vocabulary of {saved_vocab} rows, this run pads to "
             f"{_padded_vocab(models)} (--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by} x TP "
             f"{args.tensor_model_parallel_size}); the extra rows would change every softmax. Pick "
@@ -597,7 +608,7 @@ def _check_loadable(args, folder: Path, models) -> None:
             saved = manifest.get("layout", {})
             now = _layout(args)
             if (saved.get("tp"), saved.get("pp")) != (now["tp"], now["pp"]):
-                raise CheckpointError(
+                raise CheckpointLoadError(
                     f"--load {args.load}: the distributed optimizer was saved dp_reshardable at TP{saved.get('tp')} x "
                     f"PP{saved.get('pp')}, which reshards across data parallelism only; this run is TP{now['tp']} x "
                     f"PP{now['pp']}. Save with --dist-ckpt-optim-fully-reshardable to change TP/PP")
@@ -613,7 +624,7 @@ def _load_into(args, folder: Path, iteration: int, models, optimizer, scheduler,
     except CheckpointError:
         raise
     except Exception as e:
-        raise CheckpointError(f"--load {args.load}: loading {folder} failed ({type(e).__name__}: {e}); was it saved "
+        raise CheckpointLoadError(f"--load {args.load}: loading {folder} failed ({type(e).__name__}: {e}); was it saved "
                               f"by another model configuration?") from e
 
     from megatron.core.utils import unwrap_model

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import ctypes.util
+import functools
 import gc
 import os
 import tracemalloc
@@ -33,26 +34,29 @@ class _Mallinfo2(ctypes.Structure):
                  "keepcost")]
 
 
+@functools.cache
 def _load_mallinfo2():
+    """glibc's mallinfo2, looked up on first use (``find_library`` runs ldconfig/gcc: not at import, per rank)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+        except OSError:
+            libc = ctypes.CDLL(ctypes.util.find_library("c"))
         fn = libc.mallinfo2  # glibc >= 2.33
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):
         return None
     fn.restype = _Mallinfo2
     fn.argtypes = []
     return fn
 
 
-_MALLINFO2 = _load_mallinfo2()
-
-
 def heap_usage() -> dict[str, int] | None:
     """``{"in_use": bytes allocated and not freed, "held": bytes the heap holds from the kernel}`` (all
     arenas, mmapped chunks included), or ``None`` off glibc."""
-    if _MALLINFO2 is None:
+    mallinfo2 = _load_mallinfo2()
+    if mallinfo2 is None:
         return None
-    info = _MALLINFO2()
+    info = mallinfo2()
     return {"in_use": info.uordblks + info.hblkhd, "held": info.arena + info.hblkhd}
 
 

@@ -33,25 +33,10 @@ from megatron_zpp.training.data import build_datasets, micro_batches
 from megatron_zpp.training.log import IterationLogger
 from megatron_zpp.training.model import (build_model, optimizer_fallback_note, resolve_fusions,
                                          resolve_transformer_impl, transformer_engine_available)
+from megatron_zpp.megatron.flight_recorder import flight_recorder_default
 from megatron_zpp.training.quiet import install_warning_filters
 from megatron_zpp.training.tokenizer import padded_vocab_size, tokenizer_from_args
 from megatron_zpp.training.watchdog import RankFailureError, RankWatchdog, rank_failure_config_from_args
-
-
-# torch.distributed's flight recorder: a ring of the last N collectives (default 2000, each with its Python
-# stack), read by the same variables in this order, 0 turning it off.
-FLIGHT_RECORDER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
-
-
-def flight_recorder_default(backend: str, environ=os.environ) -> None:
-    """Turn torch.distributed's flight recorder off on gloo unless the user sized it (issue [22], call
-    before ``init_process_group``). On by default, it holds ~1-3 MB of entries that only its dump reads (a
-    tool for NCCL hangs; our rank watchdog names a gloo rank that hangs), filled over the first 2000
-    collectives (hundreds of steps), and replacing its oldest entry every collective after that grew the
-    heap glibc holds by up to ~9 MB per 100 steps (ZHybrid; measurements in docs/soak/README.md). NCCL
-    keeps torch's default: there the recorder is what explains a hang."""
-    if backend == "gloo" and not any(environ.get(name) for name in FLIGHT_RECORDER_ENV):
-        environ[FLIGHT_RECORDER_ENV[0]] = "0"
 
 
 def _init_distributed(args) -> torch.device:
