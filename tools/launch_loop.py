@@ -18,6 +18,12 @@ launch failed.
     nice -n 10 python tools/launch_loop.py --launches 40 --out out/launch-loop
     python tools/launch_loop.py --minutes 50 --out out/launch-loop      # as many as fit in 50 minutes
     python tools/launch_loop.py --launches 5 --extra --zpp-policy zeropp  # any pretrain_gpt flag after --extra
+    python tools/launch_loop.py --minutes 120 --alternate               # cycle malloc-check x flight recorder
+
+``--alternate`` cycles four variants, one launch each in turn: glibc's checks on and off (``MALLOC_CHECK_=3``
+turns off the tcache check that printed the original message, so half the launches run without it) crossed
+with torch's flight recorder off (our gloo default since issue 22) and on at torch's default size (2000, as on
+the day of the crash). Failures are then counted per variant.
 """
 
 from __future__ import annotations
@@ -59,12 +65,20 @@ def malloc_debug_library() -> str | None:
     return None
 
 
-def launch_env(args) -> dict[str, str]:
+# (name, MALLOC_CHECK_ on?, TORCH_FR_BUFFER_SIZE or None for our default: off on gloo)
+VARIANTS = (("check,fr-off", True, None), ("plain,fr-off", False, None),
+            ("check,fr-2000", True, "2000"), ("plain,fr-2000", False, "2000"))
+
+
+def launch_env(args, malloc_check: bool | None = None, flight_recorder: str | None = None) -> dict[str, str]:
+    malloc_check = args.malloc_check if malloc_check is None else malloc_check
     env = dict(os.environ)
+    if flight_recorder is not None:
+        env["TORCH_FR_BUFFER_SIZE"] = flight_recorder
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("OMP_WAIT_POLICY", "passive")
-    if args.malloc_check:
+    if malloc_check:
         lib = malloc_debug_library()
         if lib is None:
             raise SystemExit("--malloc-check: glibc's libc_malloc_debug.so.0 was not found; MALLOC_CHECK_ would "
@@ -122,6 +136,8 @@ def parse_args(argv=None):
     p.add_argument("--perturb", type=int, default=165, help="MALLOC_PERTURB_ byte (0: off)")
     p.add_argument("--no-malloc-check", dest="malloc_check", action="store_false",
                    help="do not preload libc_malloc_debug.so with MALLOC_CHECK_=3")
+    p.add_argument("--alternate", action="store_true",
+                   help="cycle malloc-check on/off x flight recorder off/2000 (see the module docstring)")
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                    help="flags appended to the launch (later flags override earlier ones)")
@@ -138,14 +154,20 @@ def write_results(out: Path, meta: dict, records: list[dict]) -> None:
     summary = dict(meta, launches=len(records), failures=len(failures),
                    mean_seconds=round(sum(r["seconds"] for r in records) / max(1, len(records)), 1))
     (out / "results.json").write_text(json.dumps({"summary": summary, "launches": records}, indent=1))
-    lines = [f"# Launch loop: {len(records)} launches, {len(failures)} failed", "",
-             f"- command: `{meta['command']}`",
-             f"- environment: {', '.join(f'`{k}={v}`' for k, v in meta['env'].items())}",
-             f"- versions: {meta['versions']}",
-             f"- started {meta['started']}, mean {summary['mean_seconds']} s per launch", ""]
+    lines = [f"# Launch loop: {len(records)} launches, {len(failures)} failed", ""]
+    variants = sorted({r["variant"] for r in records if "variant" in r})
+    if variants:
+        lines += ["| variant | launches | failed |", "|---|---|---|"]
+        lines += [f"| {v} | {sum(r.get('variant') == v for r in records)} | "
+                  f"{sum(r.get('variant') == v and not r['ok'] for r in records)} |" for v in variants]
+        lines.append("")
+    lines += [f"- command: `{meta['command']}`",
+              f"- environment: {', '.join(f'`{k}={v}`' for k, v in meta['env'].items())}",
+              f"- versions: {meta['versions']}",
+              f"- started {meta['started']}, mean {summary['mean_seconds']} s per launch", ""]
     if failures:
-        lines += ["| launch | exit | signals | heap message | log |", "|---|---|---|---|---|"]
-        lines += [f"| {r['launch']} | {r['returncode']} | {', '.join(r.get('rank_signals', []))} | "
+        lines += ["| launch | variant | exit | signals | heap message | log |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['launch']} | {r.get('variant', '')} | {r['returncode']} | {', '.join(r.get('rank_signals', []))} | "
                   f"{r.get('heap_message', '')} | {r.get('log', '')} |" for r in failures]
     else:
         lines.append("No launch failed.")
@@ -167,9 +189,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     env = launch_env(args)
+    variants = [(name, launch_env(args, check, fr)) for name, check, fr in VARIANTS] if args.alternate else None
     cmd = [args.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
            str(REPO / "pretrain_gpt.py"), *SMALLEST_FSDP_LAUNCH, *args.extra]
     shown_env = {k: env[k] for k in ("LD_PRELOAD", "MALLOC_CHECK_", "MALLOC_PERTURB_", "OMP_NUM_THREADS") if k in env}
+    if variants:
+        shown_env["variants"] = ", ".join(name for name, *_ in VARIANTS)
     meta = {"command": " ".join(cmd), "env": shown_env, "versions": versions(args.python),
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     records: list[dict] = []
@@ -182,13 +207,16 @@ def main(argv=None) -> int:
             break
         n += 1
         log_path = args.out / "current.txt"
-        record = dict(launch=n, **one_launch(cmd, env, log_path, args.timeout))
+        variant, launch_env_n = variants[(n - 1) % len(variants)] if variants else (None, env)
+        record = dict(launch=n, **one_launch(cmd, launch_env_n, log_path, args.timeout))
+        if variant:
+            record["variant"] = variant
         if not record["ok"]:
             kept = args.out / f"fail-{n}.txt"
             log_path.rename(kept)
             record["log"] = kept.name
         records.append(record)
-        print(f"launch {n}: {'ok' if record['ok'] else 'FAILED'} in {record['seconds']} s"
+        print(f"launch {n}{f' [{variant}]' if variant else ''}: {'ok' if record['ok'] else 'FAILED'} in {record['seconds']} s"
               + (f" ({record.get('heap_message') or record.get('rank_signals') or record['returncode']})"
                  if not record["ok"] else ""), flush=True)
         write_results(args.out, meta, records)
