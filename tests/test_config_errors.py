@@ -202,3 +202,19 @@ def test_a_launch_with_a_bug_prints_its_traceback():
     assert output.count("ValueError: injected bug") == 2, output
     assert "error: injected bug" not in output  # not dressed up as a user error
     assert all(c != 0 for c in codes), codes
+
+
+def test_launch_rank_reads_torchrun_then_slurm(monkeypatch):
+    """Before torch.distributed is up, the rank that says a user error once comes from the launcher: torchrun's
+    RANK, else srun's SLURM_PROCID (one task per rank), else 0; a garbled value is skipped, not fatal."""
+    from megatron_zpp.training.quiet import launch_rank
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    assert launch_rank() == 0
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    assert launch_rank() == 3
+    monkeypatch.setenv("RANK", "1")
+    assert launch_rank() == 1
+    monkeypatch.setenv("RANK", "x")
+    assert launch_rank() == 3

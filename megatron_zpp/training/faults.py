@@ -120,6 +120,9 @@ def install_payload_corruption(codec) -> None:
     from megatron_zpp.compression.container import LENGTH_OFFSET
 
     cls = type(codec)
+    if cls.__dict__.get("_zpp_payload_corruption"):
+        return  # wrapped once already (several sites share a codec class): one flip per iteration, not one per wrap
+    cls._zpp_payload_corruption = True
     done: set[int] = set()
 
     def corrupted(packed):

@@ -108,16 +108,19 @@ KNOWN_LOG_RECORDS = (
 
 def launch_rank() -> int:
     """This process's global rank: torch.distributed's once initialized, else the launcher's ``RANK`` (torchrun,
-    Slurm through tools/slurm_local.py), else 0 (a single process started by hand)."""
+    Slurm through tools/slurm_local.py), else ``SLURM_PROCID`` (one ``srun`` task per rank), else 0 (a single
+    process started by hand)."""
     import sys
 
     dist = sys.modules.get("torch.distributed")  # not imported here: this runs before anything heavy
     if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
+    for name in ("RANK", "SLURM_PROCID"):
+        try:
+            return int(os.environ[name])
+        except (KeyError, ValueError):
+            continue
+    return 0
 
 
 class _KnownRecords(logging.Filter):
