@@ -9,8 +9,8 @@ Without a GPU it runs on CPU processes with gloo (the CPU shim is applied automa
 
 A configuration error (a bad flag value, policy or combination: ``ConfigError``) is one line from rank 0, and
 every rank exits with 2, as argparse does for a bad flag. A ``--load`` checkpoint that cannot be loaded
-(``CheckpointLoadError``: missing, of another format or model, corrupted; every rank agrees on it before raising) is
-likewise one line from rank 0, exit 1 everywhere. Any other exception is a bug and keeps its traceback.
+(``CheckpointLoadError``: missing, of another format, vocabulary padding or optimizer layout, failing verification),
+once every rank agreed on it, is likewise one line from rank 0, exit 66 (EX_NOINPUT) everywhere. Any other exception is a bug and keeps its traceback.
 """
 
 import os
@@ -23,12 +23,13 @@ from megatron_zpp.training.quiet import install_warning_filters, launch_rank
 install_warning_filters()
 
 from megatron_zpp.policy import ConfigError
+from megatron_zpp.training.agreement import is_agreed
 from megatron_zpp.training.checkpoint import CheckpointLoadError
 from megatron_zpp.training.trainer import pretrain
 from megatron_zpp.training.watchdog import EXIT_CODE, RankFailureError, stop_child_processes
 
 USAGE_ERROR = 2  # argparse's exit status for a bad command line
-CHECKPOINT_LOAD_ERROR = 1
+CHECKPOINT_LOAD_ERROR = 66  # sysexits' EX_NOINPUT: the input (a checkpoint) cannot be used; not a bug's 1
 
 
 def _end_process_group() -> None:
@@ -45,9 +46,11 @@ def main(argv: list[str]) -> None:
         pretrain(argv)
         _end_process_group()
     except (ConfigError, CheckpointLoadError) as e:
-        # Every rank reads the same command line and raises the same error (a load error only once the ranks
-        # agreed on it: agreement.py raises the original error only when every rank failed with it, a
-        # StepFailedError naming the rank otherwise): rank 0 says it, once.
+        # Every rank reads the same command line and raises the same error: rank 0 says it, once. A load error
+        # only once the ranks agreed on it (agreement.py raises the original error only when every rank failed
+        # with it, a StepFailedError naming the rank otherwise); one rank's own keeps its traceback.
+        if isinstance(e, CheckpointLoadError) and not is_agreed(e):
+            raise
         if launch_rank() == 0:
             print(f"{os.path.basename(__file__)}: error: {e}", file=sys.stderr, flush=True)
         _end_process_group()

@@ -103,17 +103,20 @@ def test_main_says_a_config_error_once_and_exits_2(rank, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])
-def test_main_says_an_agreed_checkpoint_error_once_and_exits_1(rank, monkeypatch, capsys):
+def test_main_says_an_agreed_checkpoint_error_once_and_exits_66(rank, monkeypatch, capsys):
+    from megatron_zpp.training.agreement import mark_agreed
     from megatron_zpp.training.checkpoint import CheckpointLoadError
 
     def pretrain(argv):
-        raise CheckpointLoadError("--load /ckpt: saved with --ckpt-format torch_dist, this run uses fsdp_dtensor")
+        error = CheckpointLoadError("--load /ckpt: saved with --ckpt-format torch_dist, this run uses fsdp_dtensor")
+        mark_agreed(error)
+        raise error
 
     module = _pretrain_gpt(monkeypatch, pretrain)
     monkeypatch.setenv("RANK", rank)
     with pytest.raises(SystemExit) as caught:
         module.main([])
-    assert caught.value.code == 1
+    assert caught.value.code == 66
     out, err = capsys.readouterr()
     expected = ("pretrain_gpt.py: error: --load /ckpt: saved with --ckpt-format torch_dist, this run uses "
                 "fsdp_dtensor\n" if rank == "0" else "")
@@ -162,10 +165,10 @@ def _launch(world: int, argv: list[str], *, code: str | None = None) -> tuple[li
 
 LAUNCHED = {c[0]: c[1:] for c in BAD_CONFIGS}
 LAUNCHED["argparse"] = (["--lr-decay-style", "foo"], 2, ["'foo'", "choose from 'constant', 'linear'"])
-# Not a ConfigError: a --load checkpoint that cannot be loaded (CheckpointLoadError, agreed by every rank in load_checkpoint), exit 1.
+# Not a ConfigError: a --load checkpoint that cannot be loaded (CheckpointLoadError, agreed by every rank in load_checkpoint), exit 66.
 LAUNCHED["checkpoint-missing"] = (["--load", "/nonexistent/ckpt"], 2,
                                   ["--load /nonexistent/ckpt", "latest_checkpointed_iteration.txt"])
-EXIT_CODES = {"checkpoint-missing": 1}
+EXIT_CODES = {"checkpoint-missing": 66}
 
 
 @pytest.mark.parametrize("case", [

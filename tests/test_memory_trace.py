@@ -57,6 +57,8 @@ def test_flight_recorder_default_is_off_on_gloo_only_and_respects_the_user():
     env = {}
     flight_recorder_default("nccl", env)  # NCCL keeps torch's default
     assert env == {}
+    flight_recorder_default("gloo", env, dump_path="/tmp/fr")  # Megatron-LM's --flight-recorder-dump-path
+    assert env == {}
 
 
 def _collectives_heap_growth(rank: int, store: str, calls: int, user_buffer: str | None, out: str) -> None:

@@ -71,8 +71,16 @@ VARIANTS = (("check,fr-off", True, None), ("plain,fr-off", False, None),
 
 
 def launch_env(args, malloc_check: bool | None = None, flight_recorder: str | None = None) -> dict[str, str]:
+    variant = malloc_check is not None
     malloc_check = args.malloc_check if malloc_check is None else malloc_check
     env = dict(os.environ)
+    if variant:  # a variant's settings, whatever the shell had: nothing inherited may relabel it
+        for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "MALLOC_CHECK_"):
+            env.pop(name, None)
+        preload = [lib for lib in env.get("LD_PRELOAD", "").split() if "libc_malloc_debug" not in lib]
+        env["LD_PRELOAD"] = " ".join(preload)
+        if not env["LD_PRELOAD"]:
+            del env["LD_PRELOAD"]
     if flight_recorder is not None:
         env["TORCH_FR_BUFFER_SIZE"] = flight_recorder
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
@@ -144,6 +152,8 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.launches <= 0 and a.minutes <= 0:
         p.error("give --launches N (N > 0) or --minutes M (M > 0)")
+    if a.alternate and not a.malloc_check:
+        p.error("--alternate already runs half the launches without malloc-check; drop --no-malloc-check")
     if not 0 <= a.perturb <= 255:
         p.error(f"--perturb {a.perturb}: give a byte value 0..255 (0 turns MALLOC_PERTURB_ off)")
     return a
@@ -153,13 +163,16 @@ def write_results(out: Path, meta: dict, records: list[dict]) -> None:
     failures = [r for r in records if not r["ok"]]
     summary = dict(meta, launches=len(records), failures=len(failures),
                    mean_seconds=round(sum(r["seconds"] for r in records) / max(1, len(records)), 1))
-    (out / "results.json").write_text(json.dumps({"summary": summary, "launches": records}, indent=1))
-    lines = [f"# Launch loop: {len(records)} launches, {len(failures)} failed", ""]
     variants = sorted({r["variant"] for r in records if "variant" in r})
     if variants:
+        summary["variants"] = {v: {"launches": sum(r.get("variant") == v for r in records),
+                                   "failures": sum(r.get("variant") == v and not r["ok"] for r in records)}
+                               for v in variants}
+    (out / "results.json").write_text(json.dumps({"summary": summary, "launches": records}, indent=1))
+    lines = [f"# Launch loop: {len(records)} launches, {len(failures)} failed", ""]
+    if variants:
         lines += ["| variant | launches | failed |", "|---|---|---|"]
-        lines += [f"| {v} | {sum(r.get('variant') == v for r in records)} | "
-                  f"{sum(r.get('variant') == v and not r['ok'] for r in records)} |" for v in variants]
+        lines += [f"| {v} | {c['launches']} | {c['failures']} |" for v, c in summary["variants"].items()]
         lines.append("")
     lines += [f"- command: `{meta['command']}`",
               f"- environment: {', '.join(f'`{k}={v}`' for k, v in meta['env'].items())}",
@@ -193,8 +206,11 @@ def main(argv=None) -> int:
     cmd = [args.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
            str(REPO / "pretrain_gpt.py"), *SMALLEST_FSDP_LAUNCH, *args.extra]
     shown_env = {k: env[k] for k in ("LD_PRELOAD", "MALLOC_CHECK_", "MALLOC_PERTURB_", "OMP_NUM_THREADS") if k in env}
-    if variants:
-        shown_env["variants"] = ", ".join(name for name, *_ in VARIANTS)
+    if variants:  # the base environment above is not used: each variant sets its own
+        shown_env = {k: v for k, v in shown_env.items() if k not in ("LD_PRELOAD", "MALLOC_CHECK_")}
+        shown_env["variants"] = ("; ".join(f"{name}: MALLOC_CHECK_={'3 (libc_malloc_debug preloaded)' if check else 'unset'}"
+                                           f", TORCH_FR_BUFFER_SIZE={fr or 'unset (pretrain_gpt: 0 on gloo)'}"
+                                           for name, check, fr in VARIANTS))
     meta = {"command": " ".join(cmd), "env": shown_env, "versions": versions(args.python),
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     records: list[dict] = []

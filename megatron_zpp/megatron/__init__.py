@@ -63,7 +63,8 @@ def install_from_args(args) -> MegatronHooks:
     hooks = hooks_from_args(args)
     check_transformer_impl(args, hooks)
     if not dist.is_initialized():  # Megatron-LM's pretrain() creates the process group after this call
-        flight_recorder_default(getattr(args, "distributed_backend", None))
+        flight_recorder_default(getattr(args, "distributed_backend", None),
+                                dump_path=getattr(args, "flight_recorder_dump_path", None))
     return hooks.install()
 
 

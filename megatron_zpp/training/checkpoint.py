@@ -64,9 +64,10 @@ class CheckpointError(RuntimeError):
 
 
 class CheckpointLoadError(CheckpointError):
-    """``--load`` names a checkpoint this run cannot load (missing, of another format or model, failing
-    verification). Raised only once every rank agrees, so ``pretrain_gpt.py`` says it once, from rank 0, as a user
-    error; a save that fails verification stays a :class:`CheckpointError`, printed by every rank."""
+    """``--load`` names a checkpoint this run cannot load (missing, of another format, vocabulary padding or
+    optimizer layout, failing verification). Raised as agreed (``agreement.mark_agreed``) once every rank found
+    it, so ``pretrain_gpt.py`` says it once, from rank 0, as a user error; a save that fails verification stays a
+    :class:`CheckpointError`, printed by every rank."""
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -389,16 +390,19 @@ def save_checkpoint(args, iteration: int, models: list, optimizer, scheduler, ho
 
 
 # -------------------------------------------------------------------------------------------------- load
-def read_tracker(directory: str) -> int:
+def read_tracker(directory: str, flag: str = "--load") -> int:
+    """The iteration ``directory``'s tracker names; errors name the directory as ``flag`` (the option it came
+    from: ``--load``, or ``--save`` for the divergence guard's reload)."""
     root = Path(directory)
     tracker = root / TRACKER
     if not tracker.exists():
-        raise CheckpointLoadError(f"--load {directory}: no {TRACKER}; nothing was saved there (or a save never finished)")
+        raise CheckpointLoadError(f"{flag} {directory}: no {TRACKER}; nothing was saved there (or a save never "
+                                  "finished)")
     text = tracker.read_text().strip()
     try:
         return int(text)
     except ValueError:
-        raise CheckpointLoadError(f"--load {directory}: {TRACKER} holds {text!r}, not an iteration number") from None
+        raise CheckpointLoadError(f"{flag} {directory}: {TRACKER} holds {text!r}, not an iteration number") from None
 
 
 _ALLOWED_PICKLE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",

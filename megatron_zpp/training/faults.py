@@ -120,9 +120,6 @@ def install_payload_corruption(codec) -> None:
     from megatron_zpp.compression.container import LENGTH_OFFSET
 
     cls = type(codec)
-    if cls.__dict__.get("_zpp_payload_corruption"):
-        return  # wrapped once already (several sites share a codec class): one flip per iteration, not one per wrap
-    cls._zpp_payload_corruption = True
     done: set[int] = set()
 
     def corrupted(packed):
@@ -137,9 +134,12 @@ def install_payload_corruption(codec) -> None:
         return type(packed)(payload=payload, shape=packed.shape, dtype=packed.dtype)
 
     for name in ("decode", "decode_deferred"):
-        original = getattr(cls, name, None)
+        # Wrap the class's own decoder, kept on first install: a second install (another in-process run) replaces
+        # the wrapper, with its own `done`, instead of stacking one more flip on top.
+        original = cls.__dict__.get(f"_zpp_unfaulted_{name}") or getattr(cls, name, None)
         if original is None:
             continue
+        setattr(cls, f"_zpp_unfaulted_{name}", original)
 
         def wrapper(self, packed, *args, _original=original, **kwargs):
             return _original(self, corrupted(packed), *args, **kwargs)

@@ -108,8 +108,10 @@ KNOWN_LOG_RECORDS = (
 
 def launch_rank() -> int:
     """This process's global rank: torch.distributed's once initialized, else the launcher's ``RANK`` (torchrun,
-    Slurm through tools/slurm_local.py), else ``SLURM_PROCID`` (one ``srun`` task per rank), else 0 (a single
-    process started by hand)."""
+    Slurm through tools/slurm_local.py), else ``SLURM_PROCID``, else 0 (a single process started by hand).
+    ``SLURM_PROCID`` only keeps an argument error said once when ``srun`` starts the ranks without torchrun;
+    torch.distributed's env:// rendezvous still needs ``RANK`` (our sbatch script runs torchrun per node, whose
+    ``RANK`` wins over the node's task id)."""
     import sys
 
     dist = sys.modules.get("torch.distributed")  # not imported here: this runs before anything heavy

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_zpp.megatron.flight_recorder import flight_recorder_default
 from megatron_zpp.policy import ConfigError
 from megatron_zpp.training import faults
 from megatron_zpp.training.agreement import Agreement, StepFailedError, communication_error, describe, is_agreed
@@ -33,7 +34,6 @@ from megatron_zpp.training.data import build_datasets, micro_batches
 from megatron_zpp.training.log import IterationLogger
 from megatron_zpp.training.model import (build_model, optimizer_fallback_note, resolve_fusions,
                                          resolve_transformer_impl, transformer_engine_available)
-from megatron_zpp.megatron.flight_recorder import flight_recorder_default
 from megatron_zpp.training.quiet import install_warning_filters
 from megatron_zpp.training.tokenizer import padded_vocab_size, tokenizer_from_args
 from megatron_zpp.training.watchdog import RankFailureError, RankWatchdog, rank_failure_config_from_args
@@ -386,14 +386,25 @@ def _reload_after_divergence(args, models, optimizer, scheduler, hooks, guard, l
     reload is the data's, not the codec's: the fallback alone handles it, instead of a loop of reloads)."""
     import copy
 
-    from megatron_zpp.training.checkpoint import TRACKER, load_checkpoint, read_tracker
+    from megatron_zpp.training.agreement import mark_agreed
+    from megatron_zpp.training.checkpoint import TRACKER, CheckpointLoadError, load_checkpoint, read_tracker
 
-    folder = next((d for d in (args.save, args.load) if d and (Path(d) / TRACKER).exists()), None)
-    latest = read_tracker(folder) if folder is not None else None
-    # Rank 0's view for everyone: a shared file system may show a tracker to some ranks first.
-    decision = [folder, latest]
+    # Rank 0's view for everyone: a shared file system may show a tracker to some ranks first. Rank 0 alone
+    # reads it, and sends its error too, so no rank raises while the others wait in the broadcast.
+    decision = [None, None, None]  # folder, its iteration, rank 0's error
+    if dist.get_rank() == 0:
+        folder = next((d for d in (args.save, args.load) if d and (Path(d) / TRACKER).exists()), None)
+        try:
+            decision = [folder, None if folder is None else
+                        read_tracker(folder, "--save" if folder == args.save else "--load"), None]
+        except CheckpointLoadError as e:
+            decision = [folder, None, str(e)]
     dist.broadcast_object_list(decision, src=0)
-    folder, latest = decision
+    folder, latest, error = decision
+    if error is not None:
+        failure = CheckpointLoadError(error)
+        mark_agreed(failure)
+        raise failure
     if folder is None or latest in guard.reloaded:
         if dist.get_rank() == 0:
             why = ("--save/--load hold none yet" if folder is None else
