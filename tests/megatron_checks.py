@@ -187,7 +187,10 @@ def hybrid_presets(parallel: list[str], dim: str, iterations: int) -> dict:
 
 POLICIES = {"none": ["--zpp-policy", "none"], "fair": ["--zpp-policy", "fair"], "zeropp": ["--zpp-policy", "zeropp"],
             "mzhybrid": ["--zpp-policy", "mzhybrid"], "zhybrid": ["--zpp-policy", "zhybrid"],
-            "int8-param": ["--zpp-policy", "none", "--zpp-dp-param", "int8:block=256"]}
+            "int8-param": ["--zpp-policy", "none", "--zpp-dp-param", "int8:block=256"],
+            # qWD (issue 23): 4-bit weight differences, a full-precision resync at iteration 3
+            "qwd": ["--zpp-policy", "zeropp", "--zpp-dp-param", "int4:block=2048", "--zpp-dp-param-difference",
+                    "--zpp-dp-param-resync-interval", "3"]}
 
 
 def replica_consistency(parallel: list[str], policies: list[str], iterations: int) -> dict:
@@ -199,6 +202,28 @@ def replica_consistency(parallel: list[str], policies: list[str], iterations: in
     for name in ["absent"] + policies:
         run = pretrain(base + POLICIES.get(name, []), log=_quiet, plugin=name != "absent")
         out[name] = run["replica_check"] | {"finite": run["finite"], "losses": run["losses"]}
+    return out
+
+
+def weight_difference_consistency(parallel: list[str], iterations: int) -> dict:
+    """:func:`replica_consistency` under ``qwd``, counting the hooks' weight-difference gathers: how many ran
+    and how many of them were full-precision resyncs (the held shard not valid)."""
+    import megatron_zpp.megatron.ddp as ddp
+
+    counts = {"gathers": 0, "resyncs": 0}
+    original = ddp.weight_difference_all_gather
+
+    def counting(output, input, held, *args, **kwargs):
+        counts["gathers"] += 1
+        counts["resyncs"] += not held.valid
+        return original(output, input, held, *args, **kwargs)
+
+    ddp.weight_difference_all_gather = counting
+    try:
+        out = replica_consistency(parallel, ["qwd"], iterations)
+    finally:
+        ddp.weight_difference_all_gather = original
+    out["qwd"]["counts"] = counts
     return out
 
 

@@ -378,6 +378,46 @@ def test_replicas_compute_with_identical_weights_at_every_use(layout):
         assert by_policy["none"]["losses"] == by_policy["absent"]["losses"], (layout, by_policy)
 
 
+@pytest.mark.parametrize("layout", [
+    "distopt-overlap-both",
+    *(pytest.param(layout, marks=pytest.mark.slow)
+      for layout in ("distopt", "distopt-overlap-grad", "tp2xdp2", "pp2xdp2-interleaved")),
+])
+def test_weight_differences_keep_replicas_identical(layout):
+    """qWD on the distributed optimizer (4-bit weight differences, int4:block=2048, resync every 3 iterations):
+    every module's forward and backward sees the same weights on every replica at every use, training stays
+    finite and its loss close to Megatron's own; the gathers are weight differences, each bucket's first one
+    and the one at iteration 3 in full precision."""
+    results = run_distributed(checks.weight_difference_consistency, 4, REPLICA_LAYOUTS[layout], 5,
+                              ranks_per_node=2, timeout_s=600)
+    for rank, by_policy in enumerate(results):
+        r, absent = by_policy["qwd"], by_policy["absent"]
+        counts = r["counts"]
+        print(f"\n{layout} rank {rank} qwd: {r['uses_compared']} uses compared, {r['mismatches']} mismatches; "
+              f"{counts['gathers']} gathers, {counts['resyncs']} in full precision; "
+              f"losses {[round(x, 4) for x in r['losses']]} vs Megatron's {[round(x, 4) for x in absent['losses']]}")
+        # Per bucket: 2 full-precision gathers (its first, and at iteration 3), and one gather per iteration (5),
+        # plus, with overlapped gathers, the one the last step's update dispatches.
+        buckets = counts["resyncs"] // 2
+        assert buckets > 0 and counts["resyncs"] == 2 * buckets, counts
+        assert counts["gathers"] in (5 * buckets, 6 * buckets), counts
+        assert r["finite"] and r["uses_compared"] > 0 and r["mismatches"] == 0, (layout, rank, r["first_mismatches"])
+        assert abs(r["losses"][-1] - absent["losses"][-1]) < 0.05 * absent["losses"][-1]
+
+
+def test_weight_differences_refuse_megatron_fsdp():
+    """qWD needs a full copy of the weights on every replica to add differences to; Megatron-FSDP frees them,
+    so the combination is a configuration error naming the alternative, before anything is built."""
+    from megatron_zpp.megatron import hooks_from_args
+    from megatron_zpp.policy import ConfigError
+    from megatron_zpp.training.arguments import build_parser
+
+    args = build_parser().parse_args(["--use-megatron-fsdp", "--zpp-policy", "zeropp", "--zpp-dp-param",
+                                      "int4:block=2048", "--zpp-dp-param-difference"])
+    with pytest.raises(ConfigError, match="--use-distributed-optimizer"):
+        hooks_from_args(args)
+
+
 def test_megatron_lm_training_flags():
     """Recomputation changes no number (selective and full give the plain run's losses bit for bit);
     --init-method-std changes the start; --eval-interval evaluates mid-run (with overlapped parameter

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megatron_zpp.megatron.flight_recorder import flight_recorder_default
 from megatron_zpp.megatron.hooks import MegatronHooks
-from megatron_zpp.policy import add_zpp_args, resolve_policy, zpp_config_from_args
+from megatron_zpp.policy import ConfigError, add_zpp_args, resolve_policy, zpp_config_from_args
 
 
 def zpp_extra_args_provider(parser):
@@ -35,6 +35,10 @@ def hooks_from_args(args) -> MegatronHooks:
     # Checked across ranks by MegatronHooks.install, or, since Megatron-LM initializes torch.distributed
     # only inside pretrain() after this call, right after its initialize_model_parallel.
     policy = resolve_policy(zpp_config_from_args(args))
+    if policy.param_difference and getattr(args, "use_megatron_fsdp", False):
+        raise ConfigError(f"policy {policy.name!r}: dp_param_difference (qWD) runs with the distributed optimizer "
+                          "(--use-distributed-optimizer), not yet with --use-megatron-fsdp; drop "
+                          "--zpp-dp-param-difference or use the distributed optimizer")
 
     def megatron_lm_iteration() -> tuple[int, int | None]:
         # train_iters: set by Megatron-LM from --train-iters, or from --train-samples inside pretrain().
