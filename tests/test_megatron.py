@@ -3,6 +3,8 @@ keeps replicas identical and sends the analytic share of the bytes."""
 
 import argparse
 
+import re
+
 import pytest
 
 import megatron_checks as checks
@@ -405,17 +407,43 @@ def test_weight_differences_keep_replicas_identical(layout):
         assert abs(r["losses"][-1] - absent["losses"][-1]) < 0.05 * absent["losses"][-1]
 
 
-def test_weight_differences_refuse_megatron_fsdp():
-    """qWD needs a full copy of the weights on every replica to add differences to; Megatron-FSDP frees them,
-    so the combination is a configuration error naming the alternative, before anything is built."""
+@pytest.mark.slow
+def test_weight_differences_resync_after_a_checkpoint_load(tmp_path):
+    """qWD across a save and a resume: the resumed run's first gather of every bucket is in full precision
+    (the loaded weights, not differences against a base it never had), the rest are differences, and every
+    replica sees the same weights at every use."""
+    r = run_distributed(checks.weight_difference_resume, 4, str(tmp_path), ranks_per_node=2, timeout_s=600)[0]
+    print(f"\nfirst run {r['first']}, losses {r['saved_losses']}; resumed {r['resumed']}, losses "
+          f"{r['resumed_losses']}")
+    buckets = r["first"]["resyncs"]  # each bucket's first gather
+    assert buckets > 0 and r["resumed"]["resyncs"] == buckets and r["resumed"]["gathers"] > buckets, r
+    assert r["finite"] and r["replica_check"]["mismatches"] == 0 and r["replica_check"]["uses_compared"] > 0
+    assert len(r["resumed_losses"]) == 2 and r["resumed_losses"][-1] < r["saved_losses"][0]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--use-megatron-fsdp", "--bf16"], "not yet with --use-megatron-fsdp"),
+    (["--bf16"], "add --use-distributed-optimizer"),
+    (["--use-distributed-optimizer"], "needs --bf16 or --fp16"),
+])
+def test_weight_differences_refuse_what_they_cannot_run_on(flags, says):
+    """qWD adds differences to the replicas' 16-bit copy of the distributed optimizer's weights: Megatron-FSDP
+    (frees them), plain DP (no sharded gather) and fp32 weights (the buffer is the optimizer's master copy) are
+    configuration errors naming the alternative, before anything is built; so are a resync interval without
+    qWD, and Megatron-LM's modes that reuse the buffer."""
     from megatron_zpp.megatron import hooks_from_args
     from megatron_zpp.policy import ConfigError
     from megatron_zpp.training.arguments import build_parser
 
-    args = build_parser().parse_args(["--use-megatron-fsdp", "--zpp-policy", "zeropp", "--zpp-dp-param",
-                                      "int4:block=2048", "--zpp-dp-param-difference"])
-    with pytest.raises(ConfigError, match="--use-distributed-optimizer"):
+    qwd = ["--zpp-policy", "zeropp", "--zpp-dp-param", "int4:block=2048", "--zpp-dp-param-difference"]
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        hooks_from_args(build_parser().parse_args(flags + qwd))
+    args = build_parser().parse_args(["--use-distributed-optimizer", "--bf16"] + qwd)
+    args.reuse_grad_buf_for_mxfp8_param_ag = True  # Megatron-LM's own flags (not in this driver's parser)
+    with pytest.raises(ConfigError, match="reuse-grad-buf-for-mxfp8"):
         hooks_from_args(args)
+    with pytest.raises(ConfigError, match="needs dp_param_difference"):
+        hooks_from_args(build_parser().parse_args(["--zpp-dp-param-resync-interval", "5"]))
 
 
 def test_megatron_lm_training_flags():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 import torch.distributed as dist
 
 from megatron_zpp.comm import (HeldShard, comm_timers, compressed_all_reduce, qgz_reduce_scatter, quantized_all_gather,
@@ -127,12 +128,16 @@ class DdpRouting:
         handles: list = []
 
         def all_gather(output, input, group=None, async_op=False):
-            if self.policy.param_difference and not difference:
+            if hooks.policy.param_difference and not difference:
                 hooks._held_shards.pop(hooks._held_key(output), None)  # replicas get exact weights: resync after
             if hooks._megatron_runs(codec):
                 hooks._record_torch(PARAM_TAG, "all_gather", group, input.numel() * input.element_size(), input.device)
                 return original_ag(output, input, group=group, async_op=async_op)
             if difference:
+                if output.dtype == torch.float32:  # hooks_from_args refuses fp32 weights; hooks built otherwise
+                    raise ValueError("qWD on fp32 weights: the distributed optimizer updates this buffer in place "
+                                     "as its master copy, which the gathered approximate weights would replace; "
+                                     "train with --bf16 or --fp16")
                 handle = weight_difference_all_gather(output, input, hooks._held_shard(output, input),
                                                       hooks.topology(group), codec=codec, async_op=async_op,
                                                       tag=PARAM_TAG)

@@ -204,6 +204,9 @@ def resolve_policy(config: ZppConfig) -> Policy:
         resync = data.get("dp_param_resync_interval", 0)
     if not _is_int(resync) or resync < 0:
         raise ConfigError(f"policy {name!r}: dp_param_resync_interval={resync!r} must be an integer >= 0")
+    if resync and not difference:
+        raise ConfigError(f"policy {name!r}: dp_param_resync_interval={resync} resyncs weight differences; it needs "
+                          "dp_param_difference (--zpp-dp-param-difference)")
     rpn = config.ranks_per_node
     if rpn is not None and rpn < 1:
         raise ConfigError(f"--zpp-ranks-per-node={rpn} must be a positive integer")
