@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_zpp.comm import (HpzShard, Topology, comm_stats, compressed_all_reduce, hpz_all_gather,
-                               qgz_reduce_scatter, quantized_all_gather, ring_reduce_scatter, torch_reduce_scatter)
+from megatron_zpp.comm import (HeldShard, HpzShard, Topology, comm_stats, compressed_all_reduce, hpz_all_gather,
+                               qgz_reduce_scatter, quantized_all_gather, ring_reduce_scatter, torch_reduce_scatter,
+                               weight_difference_all_gather)
 from megatron_zpp.compression import get_codec, layout
 
 SIZES = (1, 7, 300, 1000)  # one element, odd, not a multiple of any block, several blocks
@@ -587,3 +588,58 @@ def stochastic_reproducible_worker() -> list[str]:
         h1.wait()
         digests += [hashlib.sha1(t.numpy().tobytes()).hexdigest() for t in (y, g)]
     return digests
+
+
+def weight_difference_worker(dtype_name: str, codec: str, shard: int, steps: int, resync_at: int) -> dict:
+    """qWD over ``steps`` optimizer-like updates: each rank writes its new shard into its slice of the gathered
+    buffer (as Megatron's distributed optimizer does) and gathers differences. Per step: whether every rank
+    holds the same bits, the worst error against this rank's new weights relative to its bound (INT4 step of
+    the difference's block absmax, plus the dtype's rounding), and the bytes sent across nodes."""
+    dtype = getattr(torch, dtype_name)
+    topo = Topology(None)
+    size, rank = topo.size, topo.rank
+    bits, block, per_scale = codec_params(codec)
+    qmax = layout.qmax_for_bits(bits)
+    g = gen(23, rank)
+    exact = heavy_tailed(shard, g).float() * 0.05
+    buf = torch.zeros(size * shard, dtype=dtype)
+    mine = buf.view(size, shard)[rank]  # the optimizer's view of its shard inside the gathered buffer
+    held = HeldShard(shard, dtype)
+    steps_out = []
+    for step in range(steps):
+        if step:
+            exact += 1e-3 * torch.randn(shard, generator=g)  # an optimizer update
+        if step == resync_at:
+            held.invalidate()
+        mine.copy_(exact.to(dtype))
+        target = mine.clone()  # this rank's new weights, in the weights' dtype
+        resync = not held.valid
+        difference = None if resync else target.float() - held.value.float()
+        comm_stats().reset()
+        handle = weight_difference_all_gather(buf, mine, held, topo, codec=codec, async_op=step % 2 == 1)
+        if handle is not None:
+            handle.wait()
+        inter = comm_stats().summed_over_ranks()["dp.param"].inter_bytes
+        everyone = [torch.empty_like(buf) for _ in range(size)]
+        dist.all_gather(everyone, buf)
+        identical = all(torch.equal(e.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                                    buf.view(torch.int16 if dtype != torch.float32 else torch.int32))
+                        for e in everyone)
+        got = buf.view(size, shard)[rank].float()
+        if resync:
+            worst = 0.0 if torch.equal(got, target.float()) else float("inf")
+        else:
+            step_bound = block_absmax(difference, shard, block) / qmax * per_scale
+            # the cast of base + decoded rounds the *result*: half an ulp of the larger of the two magnitudes
+            rounding = torch.maximum(got.abs(), target.float().abs()) * OUT_EPS[dtype]
+            bound = step_bound + rounding + step_bound * FP32_SLOP + 1e-30
+            worst = float(((got - target.float()).abs() / bound).max())
+        steps_out.append({"resync": resync, "identical": identical, "worst": worst, "inter": inter,
+                          "held_is_output": bool(torch.equal(held.value, buf.view(size, shard)[rank]))})
+    # A NaN written by one rank reaches every replica (Megatron's checks see it), in its block only.
+    if rank == 0:
+        mine[3] = float("nan")
+    weight_difference_all_gather(buf, mine, held, topo, codec=codec)
+    nan_rows = torch.isnan(buf.view(size, shard).float()).any(dim=1).tolist()
+    return {"steps": steps_out, "nan_rows": nan_rows,
+            "row_bytes": layout.row_bytes(shard, bits, block), "qwz_row_bytes": layout.row_bytes(shard, 8, 256)}

@@ -185,9 +185,13 @@ def hybrid_presets(parallel: list[str], dim: str, iterations: int) -> dict:
     return out
 
 
+DISTOPT_OVERLAP = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
 POLICIES = {"none": ["--zpp-policy", "none"], "fair": ["--zpp-policy", "fair"], "zeropp": ["--zpp-policy", "zeropp"],
             "mzhybrid": ["--zpp-policy", "mzhybrid"], "zhybrid": ["--zpp-policy", "zhybrid"],
-            "int8-param": ["--zpp-policy", "none", "--zpp-dp-param", "int8:block=256"]}
+            "int8-param": ["--zpp-policy", "none", "--zpp-dp-param", "int8:block=256"],
+            # qWD (issue 23): 4-bit weight differences, a full-precision resync at iteration 3
+            "qwd": ["--zpp-policy", "zeropp", "--zpp-dp-param", "int4:block=2048", "--zpp-dp-param-difference",
+                    "--zpp-dp-param-resync-interval", "3"]}
 
 
 def replica_consistency(parallel: list[str], policies: list[str], iterations: int) -> dict:
@@ -200,6 +204,51 @@ def replica_consistency(parallel: list[str], policies: list[str], iterations: in
         run = pretrain(base + POLICIES.get(name, []), log=_quiet, plugin=name != "absent")
         out[name] = run["replica_check"] | {"finite": run["finite"], "losses": run["losses"]}
     return out
+
+
+class _CountedDifferenceGathers:
+    """While active: the hooks' weight-difference gathers, counted, and how many were full-precision resyncs."""
+
+    def __enter__(self):
+        import megatron_zpp.megatron.ddp as ddp
+
+        self.module, self.original = ddp, ddp.weight_difference_all_gather
+        self.counts = {"gathers": 0, "resyncs": 0}
+
+        def counting(output, input, held, *args, **kwargs):
+            self.counts["gathers"] += 1
+            self.counts["resyncs"] += not held.valid
+            return self.original(output, input, held, *args, **kwargs)
+
+        ddp.weight_difference_all_gather = counting
+        return self.counts
+
+    def __exit__(self, *exc):
+        self.module.weight_difference_all_gather = self.original
+
+
+def weight_difference_consistency(parallel: list[str], iterations: int) -> dict:
+    """:func:`replica_consistency` under ``qwd`` (bf16, Megatron alone in bf16 too), counting the hooks'
+    weight-difference gathers and their full-precision resyncs."""
+    with _CountedDifferenceGathers() as counts:
+        out = replica_consistency(parallel + ["--bf16"], ["qwd"], iterations)
+    out["qwd"]["counts"] = counts
+    return out
+
+
+def weight_difference_resume(directory: str) -> dict:
+    """qWD, bf16, distributed optimizer: 3 iterations (saved at 2 and at the end), then a run loaded from the
+    last checkpoint for 2 more; the gathers of each run and how many were resyncs, with every replica's weights
+    compared at every use in the resumed one."""
+    base = SMALL + DISTOPT_OVERLAP + ["--bf16", "--zpp-ranks-per-node", "2", "--check-replica-weights",
+                                      "--eval-iters", "0"] + POLICIES["qwd"][:-2]  # no periodic resync
+    with _CountedDifferenceGathers() as first:
+        saved = pretrain(base + ["--train-iters", "3", "--save", directory, "--save-interval", "2"], log=_quiet)
+        first = dict(first)
+    with _CountedDifferenceGathers() as resumed:
+        loaded = pretrain(base + ["--train-iters", "5", "--load", directory], log=_quiet)
+    return {"first": first, "resumed": dict(resumed), "saved_losses": saved["losses"],
+            "resumed_losses": loaded["losses"], "replica_check": loaded["replica_check"], "finite": loaded["finite"]}
 
 
 def none_is_megatron(parallel: list[str], iterations: int) -> dict:

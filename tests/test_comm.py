@@ -198,3 +198,39 @@ def test_stochastic_seeds_restart_with_the_rounding_epoch():
         assert not set(step3) & set(step4)
     finally:
         set_rounding_epoch(0)
+
+
+@pytest.mark.parametrize("dtype, codec", [
+    ("bfloat16", "int4:block=2048"),  # SDP4Bit's weights
+    pytest.param("float32", "int4:block=128", marks=pytest.mark.slow),
+    pytest.param("bfloat16", "int8:block=256,rounding=stochastic", marks=pytest.mark.slow),
+])
+def test_weight_difference_gather_keeps_replicas_identical_and_error_bounded(dtype, codec):
+    """qWD (issue 23): 2 nodes x 2 ranks, 12 updates, a resync at step 7. Every replica holds the same bits
+    after every gather; each shard is within one quantization step of the *last* difference (plus the dtype's
+    rounding) of its owner's new weights, so the error does not accumulate; a resync is exact; a NaN reaches
+    every replica; bytes across nodes are the packed rows only."""
+    shard, steps, resync_at = 3001, 12, 7
+    results = run_distributed(checks.weight_difference_worker, 4, dtype, codec, shard, steps, resync_at,
+                              ranks_per_node=2)
+    for rank, r in enumerate(results):
+        worst = [round(s["worst"], 3) for s in r["steps"]]
+        print(f"rank {rank}: worst error / bound per step {worst}; cross-node bytes per step "
+              f"{[s['inter'] for s in r['steps']]}")
+        assert [s["resync"] for s in r["steps"]] == [i in (0, resync_at) for i in range(steps)]
+        assert all(s["identical"] for s in r["steps"]), r["steps"]
+        assert all(s["held_is_output"] for s in r["steps"]), r["steps"]
+        assert max(s["worst"] for s in r["steps"]) <= 1.0, worst
+        assert r["nan_rows"] == [True, False, False, False]
+    # Bytes across nodes, summed over ranks: a difference step sends packed rows of the shard, a resync the raw
+    # shard, over the same ring.
+    r = results[0]
+    element = 2 if dtype == "bfloat16" else 4
+    diff_steps = [s["inter"] for s in r["steps"] if not s["resync"]]
+    resync_steps = [s["inter"] for s in r["steps"] if s["resync"]]
+    assert len(set(diff_steps)) == 1 and len(set(resync_steps)) == 1
+    assert diff_steps[0] / resync_steps[0] == r["row_bytes"] / (shard * element)
+    if codec == "int4:block=2048":
+        print(f"qWD int4/2048 vs qwZ int8/256 bytes per shard: {r['row_bytes']} / {r['qwz_row_bytes']} = "
+              f"{r['row_bytes'] / r['qwz_row_bytes']:.3f}")
+        assert r["row_bytes"] / r["qwz_row_bytes"] <= 0.55

@@ -3,6 +3,8 @@ keeps replicas identical and sends the analytic share of the bytes."""
 
 import argparse
 
+import re
+
 import pytest
 
 import megatron_checks as checks
@@ -376,6 +378,72 @@ def test_replicas_compute_with_identical_weights_at_every_use(layout):
             assert r["finite"], (layout, policy)
             assert r["uses_compared"] > 0 and r["mismatches"] == 0, (layout, rank, policy, r["first_mismatches"])
         assert by_policy["none"]["losses"] == by_policy["absent"]["losses"], (layout, by_policy)
+
+
+@pytest.mark.parametrize("layout", [
+    "distopt-overlap-both",
+    *(pytest.param(layout, marks=pytest.mark.slow)
+      for layout in ("distopt", "distopt-overlap-grad", "tp2xdp2", "pp2xdp2-interleaved")),
+])
+def test_weight_differences_keep_replicas_identical(layout):
+    """qWD on the distributed optimizer (4-bit weight differences, int4:block=2048, resync every 3 iterations):
+    every module's forward and backward sees the same weights on every replica at every use, training stays
+    finite and its loss close to Megatron's own; the gathers are weight differences, each bucket's first one
+    and the one at iteration 3 in full precision."""
+    results = run_distributed(checks.weight_difference_consistency, 4, REPLICA_LAYOUTS[layout], 5,
+                              ranks_per_node=2, timeout_s=600)
+    for rank, by_policy in enumerate(results):
+        r, absent = by_policy["qwd"], by_policy["absent"]
+        counts = r["counts"]
+        print(f"\n{layout} rank {rank} qwd: {r['uses_compared']} uses compared, {r['mismatches']} mismatches; "
+              f"{counts['gathers']} gathers, {counts['resyncs']} in full precision; "
+              f"losses {[round(x, 4) for x in r['losses']]} vs Megatron's {[round(x, 4) for x in absent['losses']]}")
+        # Per bucket: 2 full-precision gathers (its first, and at iteration 3), and one gather per iteration (5),
+        # plus, with overlapped gathers, the one the last step's update dispatches.
+        buckets = counts["resyncs"] // 2
+        assert buckets > 0 and counts["resyncs"] == 2 * buckets, counts
+        assert counts["gathers"] in (5 * buckets, 6 * buckets), counts
+        assert r["finite"] and r["uses_compared"] > 0 and r["mismatches"] == 0, (layout, rank, r["first_mismatches"])
+        assert abs(r["losses"][-1] - absent["losses"][-1]) < 0.05 * absent["losses"][-1]
+
+
+@pytest.mark.slow
+def test_weight_differences_resync_after_a_checkpoint_load(tmp_path):
+    """qWD across a save and a resume: the resumed run's first gather of every bucket is in full precision
+    (the loaded weights, not differences against a base it never had), the rest are differences, and every
+    replica sees the same weights at every use."""
+    r = run_distributed(checks.weight_difference_resume, 4, str(tmp_path), ranks_per_node=2, timeout_s=600)[0]
+    print(f"\nfirst run {r['first']}, losses {r['saved_losses']}; resumed {r['resumed']}, losses "
+          f"{r['resumed_losses']}")
+    buckets = r["first"]["resyncs"]  # each bucket's first gather
+    assert buckets > 0 and r["resumed"]["resyncs"] == buckets and r["resumed"]["gathers"] > buckets, r
+    assert r["finite"] and r["replica_check"]["mismatches"] == 0 and r["replica_check"]["uses_compared"] > 0
+    assert len(r["resumed_losses"]) == 2 and r["resumed_losses"][-1] < r["saved_losses"][0]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--use-megatron-fsdp", "--bf16"], "not yet with --use-megatron-fsdp"),
+    (["--bf16"], "add --use-distributed-optimizer"),
+    (["--use-distributed-optimizer"], "needs --bf16 or --fp16"),
+])
+def test_weight_differences_refuse_what_they_cannot_run_on(flags, says):
+    """qWD adds differences to the replicas' 16-bit copy of the distributed optimizer's weights: Megatron-FSDP
+    (frees them), plain DP (no sharded gather) and fp32 weights (the buffer is the optimizer's master copy) are
+    configuration errors naming the alternative, before anything is built; so are a resync interval without
+    qWD, and Megatron-LM's modes that reuse the buffer."""
+    from megatron_zpp.megatron import hooks_from_args
+    from megatron_zpp.policy import ConfigError
+    from megatron_zpp.training.arguments import build_parser
+
+    qwd = ["--zpp-policy", "zeropp", "--zpp-dp-param", "int4:block=2048", "--zpp-dp-param-difference"]
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        hooks_from_args(build_parser().parse_args(flags + qwd))
+    args = build_parser().parse_args(["--use-distributed-optimizer", "--bf16"] + qwd)
+    args.reuse_grad_buf_for_mxfp8_param_ag = True  # Megatron-LM's own flags (not in this driver's parser)
+    with pytest.raises(ConfigError, match="reuse-grad-buf-for-mxfp8"):
+        hooks_from_args(args)
+    with pytest.raises(ConfigError, match="needs dp_param_difference"):
+        hooks_from_args(build_parser().parse_args(["--zpp-dp-param-resync-interval", "5"]))
 
 
 def test_megatron_lm_training_flags():

@@ -7,13 +7,16 @@
     shard = HpzShard(topo, input.numel(), input.dtype, "int8:block=256")                 # hpZ
     quantized_all_gather(output, input, topology=topo, hpz_shard=shard)   # forward: fills it
     hpz_all_gather(output, shard)                                         # backward: intra-node only
+    held = HeldShard(input.numel(), input.dtype)                          # qWD: 4-bit weight differences
+    weight_difference_all_gather(output, input, held, topo, codec="int4:block=2048")
     comm_stats().get("dp.grad").inter_bytes                               # byte accounting
 
 Semantics mirror ``all_gather_into_tensor`` / ``reduce_scatter_tensor``; ``codec="none"``
 gives the uncompressed algorithm, recorded the same way. Design notes: ``README.md`` here.
 """
 
-from megatron_zpp.comm.all_gather import HpzShard, hpz_all_gather, quantized_all_gather
+from megatron_zpp.comm.all_gather import (HeldShard, HpzShard, hpz_all_gather, quantized_all_gather,
+                                         weight_difference_all_gather)
 from megatron_zpp.comm.all_reduce import compressed_all_reduce
 from megatron_zpp.comm.passthrough import record_torch_collective, torch_reduce_scatter
 from megatron_zpp.comm.reduce_scatter import qgz_reduce_scatter, ring_reduce_scatter
@@ -26,6 +29,7 @@ __all__ = [
     "CommHandle",
     "CommStats",
     "CommTimers",
+    "HeldShard",
     "HpzShard",
     "TagStats",
     "Topology",
@@ -41,4 +45,5 @@ __all__ = [
     "set_rounding_epoch",
     "ring_reduce_scatter",
     "torch_reduce_scatter",
+    "weight_difference_all_gather",
 ]

@@ -26,7 +26,7 @@ import torch
 from megatron_zpp.compression import Codec, layout
 from megatron_zpp.comm import any_codec
 from megatron_zpp.comm.execution import comm_stream, launch
-from megatron_zpp.comm.stats import comm_stats
+from megatron_zpp.comm.stats import comm_stats, comm_timers
 from megatron_zpp.comm.topology import Topology
 from megatron_zpp.comm.wire import (CommHandle, WireFormat, agree, check_float, check_pair, codec_ops, wait,
                                    wire_format)
@@ -218,3 +218,112 @@ def hpz_all_gather(output: torch.Tensor, hpz_shard: HpzShard, topology: Topology
         return [], finish
 
     return launch(groups.in_flight, stream, (hpz_shard.payload, output), first, async_op)
+
+
+class HeldShard:
+    """qWD's base (SDP4Bit's weight differences): this rank's shard of one flat buffer as *every replica holds
+    it*, the base its next difference is taken against.
+
+    The owner cannot read that base from the gathered buffer: Megatron's optimizer step writes the new weights
+    into the owner's slice of it before the gather. Until :func:`weight_difference_all_gather` fills it with a
+    full-precision gather (``valid`` False: the first gather, after :meth:`invalidate`), no difference is sent.
+    Costs one shard of the weights' dtype.
+    """
+
+    def __init__(self, shard_numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        self.value = torch.empty(shard_numel, dtype=dtype, device=device)
+        self.valid = False
+
+    def invalidate(self) -> None:
+        """Resynchronize at the next gather, in full precision (after a checkpoint load, or every N steps)."""
+        self.valid = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.value.numel() * self.value.element_size()
+
+
+def weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, held: HeldShard, topology: Topology,
+                                 codec: str | Codec | None = "int4:block=2048", async_op: bool = False,
+                                 tag: str = "dp.param"):
+    """qWD: all-gather the quantized *difference* of every shard from what all replicas hold, not the weights.
+
+    Same contract as ``all_gather_into_tensor(output, input)`` up to quantization, for a buffer gathered every
+    step (ZeRO's parameter all-gather): each rank quantizes ``input - held.value`` (its new shard minus what
+    every replica holds of it), the packed rows are all-gathered, and every rank, the owner included, adds the
+    same decoded differences to the shards it holds: ``output[j] = cast(fp32(base[j]) + decoded[j])`` with
+    ``base[j]`` the previous ``output[j]`` (``held.value`` on its owner, whose slice ``input`` may alias). All
+    replicas thus hold bit-identical weights, and the quantization error is not lost: the next difference is
+    taken against what replicas hold, not against the exact weights. When ``held`` is not valid the gather is
+    a plain full-precision one, which (re)establishes the base.
+
+    Precondition, kept by calling this for every gather of the buffer: outside the owner's slice, ``output``
+    holds what the previous call (or the resync) left there on every rank.
+
+    Args:
+        output: ``size * input.numel()`` elements, same dtype and device as ``input``.
+        input: this rank's new shard (fp32 / bf16 / fp16).
+        held: this rank's :class:`HeldShard` for this buffer; updated to the new held shard.
+        topology: the group and its node layout.
+        codec: a blockwise codec (``int4:block=2048``: SDP4Bit's weights; ``int8:...``).
+        async_op: return a :class:`CommHandle` whose ``wait()`` applies the differences to ``output``.
+        tag: byte-accounting tag.
+    """
+    what = "weight_difference_all_gather"
+    check_pair(output, input, what)
+    check_float("input", input, what)
+    size, shard = topology.size, input.numel()
+    if output.numel() != size * shard:
+        raise ValueError(f"{what}: output has {output.numel()} elements; group size {size} x input {shard} = "
+                         f"{size * shard}")
+    if held.value.numel() != shard or held.value.dtype != input.dtype or held.value.device != input.device:
+        raise ValueError(f"{what}: held shard is {held.value.numel()} {held.value.dtype} on {held.value.device}; "
+                         f"the input is {shard} {input.dtype} on {input.device}")
+    fmt = wire_format(topology, codec, what)
+    if not fmt.blockwise:
+        raise ValueError(f"{what}: codec {fmt.spec!r} is not a blockwise quantizer; valid: int4, int8 "
+                         "(a difference of weights needs the fused decode-and-add)")
+    # Resync is collective by construction: the hooks invalidate every rank's held shards at the same step.
+    agree(topology, what, codec=fmt.spec, dtype=str(input.dtype))
+    if not held.valid:
+        handle = quantized_all_gather(output, input, topology, codec="none", async_op=async_op, tag=tag)
+        held.value.copy_(input)  # before any wait: the gather copied input when it was launched, or is done
+        held.valid = True
+        return handle
+
+    flat = topology._groups.flat
+    rb = layout.row_bytes(shard, fmt.bits, fmt.block)
+    intra, inter = flat.split_ring((size - 1) * rb)
+    raw = flat.split_ring((size - 1) * shard * input.element_size())
+    comm_stats().record(tag, intra, inter, uncompressed=raw)
+    if shard == 0:
+        return CommHandle(lambda: None) if async_op else None
+    groups = topology._groups
+    stream = comm_stream(input.device, "gather", groups.streams)
+    scratch = groups.buffers.lease(input.device)
+    me = topology.rank
+
+    def first():
+        payload = scratch.take(rb)
+        gathered = scratch.take(size * rb)
+        with comm_timers().codec():
+            difference = scratch.take(shard * 4).view(torch.float32)
+            torch.sub(input.view(-1).float(), held.value.float(), out=difference)
+        codec_ops.quantize_rows_(difference, payload.view(1, rb), fmt.bits, fmt.block, fmt.stochastic,
+                                 fmt.seed(me, f"{tag}/qwd"))
+        work = flat.all_gather(gathered, payload)
+
+        def finish() -> None:
+            wait(work)
+            decoded = scratch.take(size * shard * 4).view(torch.float32).view(size, shard)
+            codec_ops.dequantize_rows_(gathered.view(size, rb), decoded, fmt.bits, fmt.block)
+            with comm_timers().codec():
+                rows = output.view(size, shard)
+                rows[me].copy_(held.value)  # the owner's base: what the replicas hold, not the new weights
+                decoded.add_(rows)  # fp32 + cast-up base: the same operation, on the same bits, on every rank
+                rows.copy_(decoded)  # one rounding to the weights' dtype
+                held.value.copy_(rows[me])
+            scratch.release()
+        return [], finish
+
+    return launch(groups.in_flight, stream, (input, output, held.value), first, async_op)

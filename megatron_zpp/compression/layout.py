@@ -35,6 +35,27 @@ def check_bits_block(bits: int, block: int) -> None:
         raise ValueError(f"block={block} must be a positive multiple of 8")
 
 
+MAX_HADAMARD = 1 << 12  # the kernels keep one run in registers / shared memory
+
+
+def check_hadamard(hadamard: int, block: int) -> None:
+    """``hadamard``: 0 (off) or the run length of the Walsh-Hadamard smoothing (quant_math.h), a power of two in
+    [2, MAX_HADAMARD] dividing ``block``, so that every run lies inside one quantization block."""
+    if hadamard == 0:
+        return
+    if not (2 <= hadamard <= MAX_HADAMARD and hadamard & (hadamard - 1) == 0 and block % hadamard == 0):
+        raise ValueError(f"hadamard={hadamard} is not valid with block={block}; valid: 0 (off) or a power of two "
+                         f"in [2, {MAX_HADAMARD}] that divides the block")
+
+
+def hadamard_scale(hadamard: int) -> float:
+    """fp32(1 / sqrt(hadamard)) as quant_math.h's ``hadamard_scale``: fp32(1/sqrt(2)) times an exact power of two
+    (the product is exact), or the power of two alone when log2(hadamard) is even."""
+    log2h = hadamard.bit_length() - 1
+    root_half = 0.7071067690849304  # fp32(0.70710678118654752), 0x3F3504F3
+    return (root_half if log2h & 1 else 1.0) * 2.0 ** -(log2h >> 1)
+
+
 def num_blocks(numel: int, block: int) -> int:
     return ceil_div(numel, block)
 

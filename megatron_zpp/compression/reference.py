@@ -58,6 +58,28 @@ def stochastic_uniform(seed: int, index: torch.Tensor) -> torch.Tensor:
     return (h >> 8).to(torch.float32) * (1.0 / 16777216.0)
 
 
+# ---------------------------------------------------- Hadamard smoothing ----
+def hadamard_rows(x2: torch.Tensor, hadamard: int) -> torch.Tensor:
+    """The normalized Walsh-Hadamard transform of every run of ``hadamard`` values of each row of fp32 ``[R, L]``
+    (runs from the row start; a last run shorter than ``hadamard`` unchanged): quant_math.h's ``hadamard_run``,
+    butterfly for butterfly. Its own inverse up to fp32 rounding. Returns a new tensor."""
+    rows, length = x2.shape
+    full = length // hadamard * hadamard
+    out = x2.clone()
+    if full == 0:
+        return out
+    v = x2[:, :full]
+    d = 1
+    while d < hadamard:
+        pairs = v.reshape(rows, -1, 2, d)  # element g*2d + t*d + r: t=0 and t=1 are the butterfly's a and b
+        a, b = pairs[:, :, 0, :], pairs[:, :, 1, :]
+        v = torch.stack((a + b, a - b), dim=2).reshape(rows, full)
+        d *= 2
+    # tensor * tensor: the same fp32 multiply on every device (see the module docstring)
+    out[:, :full] = v * torch.full_like(v, layout.hadamard_scale(hadamard))
+    return out
+
+
 # ----------------------------------------------------------- quantizing -----
 def _quantize_matrix(x2: torch.Tensor, bits: int, block: int, stochastic: bool, seed: int) -> torch.Tensor:
     """Quantize each row of an fp32 ``[R, L]`` matrix; returns packed ``uint8[R, row_bytes]``.

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megatron_zpp.megatron.flight_recorder import flight_recorder_default
 from megatron_zpp.megatron.hooks import MegatronHooks
-from megatron_zpp.policy import add_zpp_args, resolve_policy, zpp_config_from_args
+from megatron_zpp.policy import ConfigError, add_zpp_args, resolve_policy, zpp_config_from_args
 
 
 def zpp_extra_args_provider(parser):
@@ -35,12 +35,38 @@ def hooks_from_args(args) -> MegatronHooks:
     # Checked across ranks by MegatronHooks.install, or, since Megatron-LM initializes torch.distributed
     # only inside pretrain() after this call, right after its initialize_model_parallel.
     policy = resolve_policy(zpp_config_from_args(args))
+    if policy.param_difference:
+        check_weight_differences(args, policy.name)
 
     def megatron_lm_iteration() -> tuple[int, int | None]:
         # train_iters: set by Megatron-LM from --train-iters, or from --train-samples inside pretrain().
         return getattr(args, "curr_iteration", 0) or 0, getattr(args, "train_iters", None)
 
     return MegatronHooks(policy, ranks_per_node=args.zpp_ranks_per_node, iteration_source=megatron_lm_iteration)
+
+
+def check_weight_differences(args, policy_name: str) -> None:
+    """Refuse qWD (``dp_param_difference``) where the weights it adds differences to are not the replicas' own
+    copy: it needs the distributed optimizer's gathered parameter buffer, holding 16-bit weights that the
+    optimizer writes from separate fp32 master weights."""
+    def refuse(why: str) -> None:
+        raise ConfigError(f"policy {policy_name!r}: --zpp-dp-param-difference (qWD) {why}")
+
+    if getattr(args, "use_megatron_fsdp", False):
+        refuse("runs with the distributed optimizer, not yet with --use-megatron-fsdp (it frees the full weights, "
+               "so no replica holds a copy to add differences to); use --use-distributed-optimizer")
+    if not getattr(args, "use_distributed_optimizer", False):
+        refuse("gathers the distributed optimizer's weights; add --use-distributed-optimizer")
+    if not (getattr(args, "bf16", False) or getattr(args, "fp16", False)):
+        refuse("needs --bf16 or --fp16: with fp32 weights the distributed optimizer has no separate master copy "
+               "(it updates the gathered buffer in place), so the gathered approximate weights would replace the "
+               "optimizer's own")
+    if getattr(args, "use_precision_aware_optimizer", False) and getattr(args, "store_param_remainders", True):
+        refuse("cannot run with --use-precision-aware-optimizer storing parameter remainders (Transformer "
+               "Engine's FusedAdam rebuilds its master weights from the 16-bit weights, which qWD replaces)")
+    if getattr(args, "reuse_grad_buf_for_mxfp8_param_ag", False):
+        refuse("cannot run with --reuse-grad-buf-for-mxfp8-param-ag (the gathered weights share the gradient "
+               "buffer, which Megatron zeroes and accumulates into between gathers)")
 
 
 def check_transformer_impl(args, hooks: MegatronHooks) -> None:
@@ -68,5 +94,5 @@ def install_from_args(args) -> MegatronHooks:
     return hooks.install()
 
 
-__all__ = ["MegatronHooks", "check_transformer_impl", "hooks_from_args", "install_from_args",
+__all__ = ["MegatronHooks", "check_transformer_impl", "check_weight_differences", "hooks_from_args", "install_from_args",
            "zpp_extra_args_provider"]

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 import torch.distributed as dist
 
-from megatron_zpp.comm import comm_timers, compressed_all_reduce, qgz_reduce_scatter, quantized_all_gather
+from megatron_zpp.comm import (HeldShard, comm_timers, compressed_all_reduce, qgz_reduce_scatter, quantized_all_gather,
+                               weight_difference_all_gather)
 
 GRAD_TAG, PARAM_TAG = "dp.grad", "dp.param"
 
@@ -122,14 +124,26 @@ class DdpRouting:
         hooks = self
         original_ag = pgb.dist_all_gather_func
         codec = self.codec("dp.param")
+        difference = self.policy.param_difference and codec != "none"  # "none": suspended by the divergence guard
         handles: list = []
 
         def all_gather(output, input, group=None, async_op=False):
+            if hooks.policy.param_difference and not difference:
+                hooks._held_shards.pop(hooks._held_key(output), None)  # replicas get exact weights: resync after
             if hooks._megatron_runs(codec):
                 hooks._record_torch(PARAM_TAG, "all_gather", group, input.numel() * input.element_size(), input.device)
                 return original_ag(output, input, group=group, async_op=async_op)
-            handle = quantized_all_gather(output, input, hooks.topology(group), codec=codec, async_op=async_op,
-                                          tag=PARAM_TAG)
+            if difference:
+                if output.dtype == torch.float32:  # hooks_from_args refuses fp32 weights; hooks built otherwise
+                    raise ValueError("qWD on fp32 weights: the distributed optimizer updates this buffer in place "
+                                     "as its master copy, which the gathered approximate weights would replace; "
+                                     "train with --bf16 or --fp16")
+                handle = weight_difference_all_gather(output, input, hooks._held_shard(output, input),
+                                                      hooks.topology(group), codec=codec, async_op=async_op,
+                                                      tag=PARAM_TAG)
+            else:
+                handle = quantized_all_gather(output, input, hooks.topology(group), codec=codec, async_op=async_op,
+                                              tag=PARAM_TAG)
             if handle is not None:
                 handles.append(handle)
             return None
@@ -139,6 +153,26 @@ class DdpRouting:
             yield handles
         finally:
             pgb.dist_all_gather_func = original_ag
+
+    # ------------------------------------------------------------------ qWD's held shards
+    @staticmethod
+    def _held_key(output) -> tuple:
+        return output.data_ptr(), output.numel(), output.dtype
+
+    def _held_shard(self, output, input) -> HeldShard:
+        """This rank's :class:`HeldShard` of the bucket whose gathered weights are ``output``: empty (a
+        full-precision gather first) when new or after :meth:`resync_weights`."""
+        held = self._held_shards.get(self._held_key(output))
+        if held is None:
+            held = self._held_shards[self._held_key(output)] = HeldShard(input.numel(), input.dtype, input.device)
+        return held
+
+    def resync_weights(self) -> None:
+        """The next weight gather of every bucket is in full precision (qWD): call on every rank when the weights
+        changed other than by an optimizer step (a checkpoint load), and every ``param_resync_interval``
+        iterations (``sync_iteration``). Without qWD there is nothing to do."""
+        for held in self._held_shards.values():
+            held.invalidate()
 
     # ------------------------------------------------------------------ the gradient reduction (fsdp.py's too)
     def _reduce_scatter_grads(self, original, output, input, op, group, async_op, bucket: str | None = None):

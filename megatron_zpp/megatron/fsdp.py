@@ -123,6 +123,13 @@ class FsdpRouting:
     # ------------------------------------------------------------------ routing
     @contextlib.contextmanager
     def _route_fsdp_gather(self, pipeline, bucket_id: int, bwd: bool):
+        if self.policy.param_difference:
+            # Megatron-FSDP frees the full weights after use: no replica holds a base to add a difference to
+            # (issue 23 plans it on the hpZ secondary partition). hooks_from_args refuses the combination at
+            # start-up; this is the backstop for hooks built otherwise.
+            raise ValueError(f"policy {self.policy.name!r}: dp_param_difference (qWD) runs with the distributed "
+                              "optimizer only (--use-distributed-optimizer), not yet with --use-megatron-fsdp; "
+                              "drop --zpp-dp-param-difference there")
         hooks = self
         original = dist.all_gather_into_tensor
         codec = self.codec("dp.param")

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_zpp.comm import HpzShard, Topology, comm_timers, record_torch_collective, set_rounding_epoch
+from megatron_zpp.comm import HeldShard, HpzShard, Topology, comm_timers, record_torch_collective, set_rounding_epoch
 from megatron_zpp.compression import get_codec
 from megatron_zpp.megatron.ddp import DdpRouting
 from megatron_zpp.megatron.fsdp import FsdpRouting
@@ -72,6 +72,7 @@ class MegatronHooks(DdpRouting, FsdpRouting):
                                       if spec != "none" and not get_codec(spec).lossless)
         self._topologies: dict[tuple, Topology] = {}
         self._hpz_shards: dict[tuple[int, int], HpzShard] = {}
+        self._held_shards: dict[tuple, HeldShard] = {}  # qWD: (bucket buffer ptr, numel, dtype) -> held shard
         self._pending_gathers: dict[tuple, object] = {}  # (pipeline, bucket key) -> our gather handle
         # Error feedback: one fp32 residual per gradient bucket, keyed by a name that is the same in every run
         # of the same model and layout ("ddp.bucket3.n500000", "fsdp.bucket2"): not by storage, which
@@ -152,6 +153,9 @@ class MegatronHooks(DdpRouting, FsdpRouting):
         if iteration != self._iteration:
             self._iteration = iteration
             set_rounding_epoch(iteration)
+            interval = self.policy.param_resync_interval
+            if interval and iteration and iteration % interval == 0:
+                self.resync_weights()
             if self.policy.dp_grad_until < 1.0:
                 if not train_iters:
                     raise ValueError(f"--zpp-dp-grad-until {self.policy.dp_grad_until} needs the number of "

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_zpp.compression import get_codec
 from megatron_zpp.compression.layout import ceil_div
 from megatron_zpp.perfmodel import collectives as C
 from megatron_zpp.perfmodel.collectives import Cost, Group
@@ -21,7 +22,8 @@ from megatron_zpp.policy import Policy, ZppConfig, available_presets, resolve_po
 TAGS = ("dp.grad", "dp.param", "dp.param.bwd", "tp", "pp")  # megatron_zpp.megatron.hooks' byte-accounting tags
 # Policies the model knows by name besides the YAML presets: the two baselines and ZeRO++'s parts alone
 # (their codecs and hpZ size taken from the zeropp preset, the one source of truth).
-BUILTIN_POLICIES = ("megatron", "fair", "qwz", "hpz", "qgz")
+BUILTIN_POLICIES = ("megatron", "fair", "qwz", "hpz", "qgz", "qwd")
+QWD_WEIGHTS = "int4:block=2048"  # SDP4Bit's weight-difference groups
 DEFAULT_POLICIES = ("megatron", "fair", "qwz", "hpz", "qgz", "zeropp", "hybrid")
 
 
@@ -44,7 +46,7 @@ class ModelledPolicy:
 
 
 def resolve(policy: str | Policy | ModelledPolicy) -> ModelledPolicy:
-    """A name (``megatron``, ``fair``, ``qwz``, ``hpz``, ``qgz``, a preset such as ``zeropp``/``hybrid``,
+    """A name (``megatron``, ``fair``, ``qwz``, ``hpz``, ``qgz``, ``qwd``, a preset such as ``zeropp``/``hybrid``,
     or a policy YAML path), a ``Policy`` or a ``ModelledPolicy``."""
     if isinstance(policy, ModelledPolicy):
         return policy
@@ -68,6 +70,11 @@ def resolve(policy: str | Policy | ModelledPolicy) -> ModelledPolicy:
         "qwz": lambda: on_fair(codecs={"dp.param": zeropp.codec("dp.param")}),
         "hpz": lambda: on_fair(hpz_size=None),
         "qgz": lambda: on_fair(codecs={"dp.grad": zeropp.codec("dp.grad")}),
+        # zeropp with 4-bit weight differences instead of qwZ (distributed optimizer): the wire carries the
+        # dp.param codec's rows either way; the resyncs (first gather, after a load) are not in the average.
+        "qwd": lambda: _modelled("qwd", dataclasses.replace(
+            zeropp, name="qwd", codecs={**zeropp.codecs, "dp.param": get_codec(QWD_WEIGHTS).spec},
+            param_difference=True)),
     }
     if policy in builtin:
         return builtin[policy]()
@@ -294,6 +301,9 @@ def _predict(cluster: ClusterSpec, workload: WorkloadSpec, mp: ModelledPolicy) -
     bubble = (lay.pp - 1) * (fwd + bwd)
 
     # Data parallel: buckets of this rank's (tp, pp) slice of the model.
+    if pol.param_difference and lay.zero_mode != "distopt":
+        raise ValueError(f"policy {mp.name!r} gathers weight differences (qWD), which runs on the distributed "
+                         f"optimizer only; the workload's zero_mode is {lay.zero_mode!r} (valid: distopt)")
     dp_group = groups["dp"]
     local_params = math.ceil(total_params(workload) / (lay.tp * lay.pp))
     bucket = lay.bucket_size or (math.ceil(layer_params(workload) / lay.tp) if lay.zero_mode == "fsdp"

@@ -47,3 +47,11 @@ class ZppConfig:
     """Error feedback for a lossy dp.grad codec (off by default): each rank adds what the previous
     reduction's first hop lost of its gradient to the next one (a residual the size of its gradient
     buffer, fp32, saved in checkpoints). See megatron_zpp/comm/error_feedback.md."""
+    dp_param_difference: bool | None = None
+    """qWD (SDP4Bit): gather the quantized *difference* of each weight shard from what every replica holds,
+    with the dp.param codec (e.g. int4:block=2048), instead of the weights; every replica adds the same decoded
+    difference, so all hold identical weights and the quantization error is carried into the next step.
+    Distributed optimizer only; default the policy's (off)."""
+    dp_param_resync_interval: int | None = None
+    """With --zpp-dp-param-difference: gather the weights in full precision every this many iterations (0:
+    only at the start and after a checkpoint load, which always resync); default the policy's (0)."""

@@ -13,6 +13,9 @@ YAML keys::
     dp_grad_until:     FLOAT in (0, 1]  compress dp.grad for this fraction of the iterations
     dp_uncompressed:   megatron | hierarchical   who runs DP collectives whose codec is none
     error_feedback:    BOOL             error feedback on a lossy dp.grad codec (default false)
+    dp_param_difference: BOOL           qWD: gather weight differences with the dp.param codec (default false)
+    dp_param_resync_interval: INT       with qWD, a full-precision gather every N iterations (0: at start and
+                                        after a checkpoint load only)
     description:       free text
 
 DeepSpeed's ZeRO++ keys are accepted as aliases: ``zero_quantized_weights: true`` (dp.param
@@ -34,7 +37,7 @@ DIMENSIONS = ("dp.grad", "dp.param", "tp", "pp")
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "policies"
 ZEROPP_WEIGHTS, ZEROPP_GRADS = "int8:block=256", "int4:block=128"
 _YAML_KEYS = ("codecs", "dp_grad_intra", "hpz_size", "qgz_stages", "dp_grad_until", "dp_uncompressed", "error_feedback",
-              "description",
+              "dp_param_difference", "dp_param_resync_interval", "description",
               "zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size")
 # Codecs with fused kernels: the only ones hpZ's secondary partition and qgZ's pipelined stages take
 # (any registered codec runs on every dimension otherwise: comm/any_codec.py).
@@ -56,6 +59,8 @@ class Policy:
     dp_grad_until: float = 1.0
     dp_uncompressed: str = "megatron"
     error_feedback: bool = False
+    param_difference: bool = False  # qWD: dp.param gathers weight differences (distributed optimizer)
+    param_resync_interval: int = 0  # qWD: full-precision gather every N iterations (0: start and load only)
     description: str = ""
 
     def codec(self, dimension: str) -> str:
@@ -185,12 +190,29 @@ def resolve_policy(config: ZppConfig) -> Policy:
     if feedback and (codecs["dp.grad"] == "none" or get_codec(codecs["dp.grad"]).lossless):
         raise ConfigError(f"policy {name!r}: error feedback needs a lossy dp.grad codec (int8, int4, zfp); "
                           f"dp.grad is {codecs['dp.grad']!r}")
+    difference = config.dp_param_difference
+    if difference is None:
+        difference = data.get("dp_param_difference", False)
+    if not isinstance(difference, bool):
+        raise ConfigError(f"policy {name!r}: dp_param_difference={difference!r} must be true or false")
+    if difference and _family(codecs["dp.param"]) not in BLOCKWISE_CODECS[1:]:
+        raise ConfigError(f"policy {name!r}: dp_param_difference gathers weight differences with a blockwise "
+                          f"dp.param codec; valid: {', '.join(BLOCKWISE_CODECS[1:])} (e.g. int4:block=2048), "
+                          f"dp.param is {codecs['dp.param']!r}")
+    resync = config.dp_param_resync_interval
+    if resync is None:
+        resync = data.get("dp_param_resync_interval", 0)
+    if not _is_int(resync) or resync < 0:
+        raise ConfigError(f"policy {name!r}: dp_param_resync_interval={resync!r} must be an integer >= 0")
+    if resync and not difference:
+        raise ConfigError(f"policy {name!r}: dp_param_resync_interval={resync} resyncs weight differences; it needs "
+                          "dp_param_difference (--zpp-dp-param-difference)")
     rpn = config.ranks_per_node
     if rpn is not None and rpn < 1:
         raise ConfigError(f"--zpp-ranks-per-node={rpn} must be a positive integer")
     return Policy(name=name, codecs=codecs, dp_grad_intra=intra, hpz_size=hpz, ranks_per_node=rpn,
                   qgz_stages=stages, dp_grad_until=float(until), dp_uncompressed=route, error_feedback=feedback,
-                  description=str(data.get("description", "")))
+                  param_difference=difference, param_resync_interval=resync, description=str(data.get("description", "")))
 
 
 def check_policy_devices(policy: Policy, device_type: str) -> None:

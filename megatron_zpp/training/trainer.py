@@ -202,6 +202,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
 
             start_iteration = load_checkpoint(args, models, optimizer, scheduler, hooks, log=log, agreement=agreement)
             hooks.invalidate_secondary()
+            hooks.resync_weights()  # qWD: the loaded weights are gathered in full precision first
 
         dp_rank = parallel_state.get_data_parallel_rank()
         dp_size = parallel_state.get_data_parallel_world_size()
@@ -416,6 +417,7 @@ def _reload_after_divergence(args, models, optimizer, scheduler, hooks, guard, l
     reload_args.load = folder
     iteration = load_checkpoint(reload_args, models, optimizer, scheduler, hooks, log=log, agreement=agreement)
     hooks.invalidate_secondary()
+    hooks.resync_weights()
     log(f"[divergence guard] rank {dist.get_rank()}: reloaded {folder} at iteration {iteration}")
     return iteration
 

@@ -176,6 +176,45 @@ ZPP_HD int quantize_stochastic_unchecked(float x, float scale, float fqmax, floa
 
 ZPP_HD bool scale_is_usable(float scale) { return scale > 0.0f; }  // false for 0 and NaN
 
+// --------------------------------------------------- Hadamard smoothing ----
+// SDP4Bit's rotation before low-bit quantization. Each run of h = 2^log2h
+// consecutive values of a row (runs start at multiples of h from the row
+// start; a last run shorter than h is left as it is) is replaced by its
+// normalized Walsh-Hadamard transform H_h x / sqrt(h), in natural (Sylvester)
+// order. H_h / sqrt(h) is symmetric and orthogonal: the transform is its own
+// inverse, up to fp32 rounding. h divides the quantization block, so a run
+// never straddles two blocks. One definition of the arithmetic, everywhere:
+// butterflies (a + b, a - b) at strides 1, 2, 4, ..., h/2, in that order, then
+// one multiply by hadamard_scale(log2h) = fp32(1/sqrt(h)), which is a power of
+// two when log2h is even and fp32(1/sqrt(2)) times one otherwise (both exact
+// products). Reference: megatron_zpp/compression/reference.py, hadamard_rows.
+ZPP_HD float hadamard_scale(int log2h) {
+  return ldexpf((log2h & 1) ? 0.70710678118654752f : 1.0f, -(log2h >> 1));
+}
+
+ZPP_HD void hadamard_run(float* v, int log2h) {
+  const int h = 1 << log2h;
+  for (int d = 1; d < h; d <<= 1) {
+    for (int i = 0; i < h; i += 2 * d) {
+      for (int j = i; j < i + d; ++j) {
+        const float a = v[j], b = v[j + d];
+        v[j] = f32_add(a, b);
+        v[j + d] = f32_add(a, -b);  // negation is exact: the IEEE difference a - b
+      }
+    }
+  }
+  const float s = hadamard_scale(log2h);
+  for (int i = 0; i < h; ++i) v[i] = f32_mul(v[i], s);
+}
+
+// The runs of elements [e0, e0 + n) of a row of `length` elements, e0 a multiple
+// of h (a block start): every full run transformed, a partial last run of the
+// row untouched.
+ZPP_HD void hadamard_range(float* v, int64_t n, int log2h) {
+  const int64_t h = int64_t(1) << log2h;
+  for (int64_t r = 0; r + h <= n; r += h) hadamard_run(v + r, log2h);
+}
+
 // -------------------------------------------------------------- packing ----
 // INT8: one two's-complement byte per value. INT4: two values per byte, element
 // 2i in the LOW nibble and element 2i+1 in the HIGH nibble, each a 4-bit two's
