@@ -86,41 +86,51 @@ def _pretrain_gpt(monkeypatch, pretrain):
     return module
 
 
-@pytest.mark.parametrize("rank", ["0", "1"])
-def test_main_says_a_config_error_once_and_exits_2(rank, monkeypatch, capsys):
-    def pretrain(argv):
-        raise ConfigError("--zpp-hpz-size 3 does not divide --zpp-ranks-per-node 4; valid: 1, 2, 4")
-
-    module = _pretrain_gpt(monkeypatch, pretrain)
-    monkeypatch.setenv("RANK", rank)
-    with pytest.raises(SystemExit) as caught:
-        module.main([])
-    assert caught.value.code == 2
-    out, err = capsys.readouterr()
-    expected = ("pretrain_gpt.py: error: --zpp-hpz-size 3 does not divide --zpp-ranks-per-node 4; valid: 1, 2, 4\n"
-                if rank == "0" else "")
-    assert (out, err) == ("", expected)
+def _config_error() -> Exception:
+    return ConfigError("--zpp-hpz-size 3 does not divide --zpp-ranks-per-node 4; valid: 1, 2, 4")
 
 
-@pytest.mark.parametrize("rank", ["0", "1"])
-def test_main_says_an_agreed_checkpoint_error_once_and_exits_66(rank, monkeypatch, capsys):
+def _agreed_load_error() -> Exception:
     from megatron_zpp.training.agreement import mark_agreed
     from megatron_zpp.training.checkpoint import CheckpointLoadError
 
+    error = CheckpointLoadError("--load /ckpt: saved with --ckpt-format torch_dist, this run uses fsdp_dtensor")
+    mark_agreed(error)  # as load_checkpoint raises it: every rank found it
+    return error
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+@pytest.mark.parametrize("make_error, code", [(_config_error, 2), (_agreed_load_error, 66)],
+                         ids=["config-error-exits-2", "agreed-load-error-exits-66"])
+def test_main_says_a_user_error_once(make_error, code, rank, monkeypatch, capsys):
+    """A configuration error, or a checkpoint load error every rank agreed on: one line from rank 0 naming it,
+    nothing from the others, the same exit status everywhere."""
+    error = make_error()
+
     def pretrain(argv):
-        error = CheckpointLoadError("--load /ckpt: saved with --ckpt-format torch_dist, this run uses fsdp_dtensor")
-        mark_agreed(error)
         raise error
 
     module = _pretrain_gpt(monkeypatch, pretrain)
     monkeypatch.setenv("RANK", rank)
     with pytest.raises(SystemExit) as caught:
         module.main([])
-    assert caught.value.code == 66
+    assert caught.value.code == code
     out, err = capsys.readouterr()
-    expected = ("pretrain_gpt.py: error: --load /ckpt: saved with --ckpt-format torch_dist, this run uses "
-                "fsdp_dtensor\n" if rank == "0" else "")
-    assert (out, err) == ("", expected)
+    assert (out, err) == ("", f"pretrain_gpt.py: error: {error}\n" if rank == "0" else "")
+
+
+def test_main_keeps_the_traceback_of_a_load_error_only_one_rank_saw(monkeypatch):
+    """Not agreed (raised outside an agreement step, on this rank alone): not said once from rank 0, where this
+    rank's message would be lost; it propagates with its traceback."""
+    from megatron_zpp.training.checkpoint import CheckpointLoadError
+
+    def pretrain(argv):
+        raise CheckpointLoadError("--load /ckpt: no latest_checkpointed_iteration.txt")
+
+    module = _pretrain_gpt(monkeypatch, pretrain)
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(CheckpointLoadError):
+        module.main([])
 
 
 def test_main_lets_a_bug_through_with_its_traceback(monkeypatch):
