@@ -251,6 +251,41 @@ def weight_difference_resume(directory: str) -> dict:
             "resumed_losses": loaded["losses"], "replica_check": loaded["replica_check"], "finite": loaded["finite"]}
 
 
+def optimizer_steps_from_its_own_weights(parallel: list[str], iterations: int, directory: str) -> dict:
+    """fp32 weights, distributed optimizer, zeropp (INT8 qwZ) with a checkpoint save midway: torch's AdamW step,
+    spied. Each step must start from exactly the weights the previous one produced (the optimizer's master
+    copy), not from the decoded weights the gather wrote over them; and the gathered weights must differ from
+    the optimizer's (the codec is lossy), or the check would be empty."""
+    import torch
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    snapshots: list[tuple[list, list]] = []  # (before, after) per step, this rank's shards
+
+    def shards(optimizer) -> list:
+        return [p.detach().clone() for g in optimizer.param_groups for p in g["params"]]
+
+    def before(optimizer, args, kwargs) -> None:
+        snapshots.append((shards(optimizer), None))
+
+    def after(optimizer, args, kwargs) -> None:
+        snapshots[-1] = (snapshots[-1][0], shards(optimizer))
+
+    # torch's global step hooks (not a patched step: torch wraps Optimizer.step with its own hook machinery)
+    handles = [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
+    try:
+        run = pretrain(SMALL + parallel + ["--zpp-policy", "zeropp", "--zpp-ranks-per-node", "2", "--eval-iters", "0",
+                                           "--train-iters", str(iterations), "--save", directory,
+                                           "--save-interval", "2", "--check-replica-weights"], log=_quiet)
+    finally:
+        for h in handles:
+            h.remove()
+    continuous = [all(torch.equal(b, a) for b, a in zip(snapshots[k][0], snapshots[k - 1][1]))
+                  for k in range(1, len(snapshots))]
+    return {"steps": len(snapshots), "continuous": continuous, "finite": run["finite"],
+            "replica_check": run["replica_check"]}
+
+
 def none_is_megatron(parallel: list[str], iterations: int) -> dict:
     """Megatron without the plugin vs the ``none`` policy, with no ranks-per-node anywhere (no
     --zpp-ranks-per-node, LOCAL_WORLD_SIZE unset): losses and the process groups each run creates."""

@@ -380,6 +380,22 @@ def test_replicas_compute_with_identical_weights_at_every_use(layout):
         assert by_policy["none"]["losses"] == by_policy["absent"]["losses"], (layout, by_policy)
 
 
+@pytest.mark.parametrize("layout", ["distopt", "distopt-overlap-both"])
+def test_fp32_optimizer_steps_from_its_own_weights_under_a_lossy_gather(layout, tmp_path):
+    """fp32 weights on the distributed optimizer have no separate master copy: a lossy weight gather (zeropp's
+    INT8 qwZ) decodes over the optimizer's shard. Every optimizer step must still start from the weights the
+    previous step produced, through a checkpoint save (which writes those, not the decoded ones), with and
+    without overlapped gathers; replicas still compute with identical weights at every use."""
+    r = run_distributed(checks.optimizer_steps_from_its_own_weights, 4, REPLICA_LAYOUTS[layout], 4,
+                        str(tmp_path / "ckpt"), ranks_per_node=2, timeout_s=600)
+    for rank, x in enumerate(r):
+        print(f"\n{layout} rank {rank}: {x['steps']} steps, each from the previous one's weights: {x['continuous']}; "
+              f"{x['replica_check']['uses_compared']} uses compared, {x['replica_check']['mismatches']} mismatches "
+              f"{x['replica_check']['first_mismatches'][:2]}")
+        assert x["finite"] and x["steps"] == 4 and all(x["continuous"]), x["continuous"]
+        assert x["replica_check"]["mismatches"] == 0 and x["replica_check"]["uses_compared"] > 0
+
+
 @pytest.mark.parametrize("layout", [
     "distopt-overlap-both",
     *(pytest.param(layout, marks=pytest.mark.slow)

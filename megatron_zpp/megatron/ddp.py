@@ -22,6 +22,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from megatron_zpp.compression import get_codec
 from megatron_zpp.comm import (HeldShard, comm_timers, compressed_all_reduce, qgz_reduce_scatter, quantized_all_gather,
                                weight_difference_all_gather)
 
@@ -60,6 +61,7 @@ class DdpRouting:
 
         cls.start_grad_sync = start_grad_sync
         cls.start_param_sync = start_param_sync
+        self._install_exact_weights()
         self._time_waits(cls, ("finish_grad_sync", "finish_param_sync"))
 
     def _uninstall_ddp(self) -> None:
@@ -68,6 +70,11 @@ class DdpRouting:
         for name, fn in self._saved.items():
             setattr(pgb._ParamAndGradBucketGroup, name, fn)
         self._saved = {}
+        if self._saved_optimizer_step is not None:
+            from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+            DistributedOptimizer.step_with_ready_grads = self._saved_optimizer_step
+            self._saved_optimizer_step = None
 
     # ------------------------------------------------------------------ routing
     def _check_supported(self, bucket_group) -> None:
@@ -125,6 +132,7 @@ class DdpRouting:
         original_ag = pgb.dist_all_gather_func
         codec = self.codec("dp.param")
         difference = self.policy.param_difference and codec != "none"  # "none": suspended by the divergence guard
+        lossy = codec != "none" and not get_codec(codec).lossless
         handles: list = []
 
         def all_gather(output, input, group=None, async_op=False):
@@ -142,6 +150,8 @@ class DdpRouting:
                                                       hooks.topology(group), codec=codec, async_op=async_op,
                                                       tag=PARAM_TAG)
             else:
+                if output.dtype == torch.float32 and lossy:
+                    hooks._keep_exact(output, input)
                 handle = quantized_all_gather(output, input, hooks.topology(group), codec=codec, async_op=async_op,
                                               tag=PARAM_TAG)
             if handle is not None:
@@ -173,6 +183,64 @@ class DdpRouting:
         iterations (``sync_iteration``). Without qWD there is nothing to do."""
         for held in self._held_shards.values():
             held.invalidate()
+        self._exact_pending.clear()  # the loaded weights are exact: the shards kept before are stale
+
+    # ------------------------------------------------------------------ fp32 weights: the optimizer's own shard
+    # With fp32 weights Megatron's distributed optimizer keeps no separate master copy: its main parameters are
+    # views of its shard of the gathered buffer (distrib_optimizer.py, "fp32 params"). A lossy gather decodes
+    # every row into that buffer, the owner's too, so the owner's exact weights are kept aside at the gather and
+    # put back before the optimizer's next step (and while a checkpoint is saved): the optimizer always steps
+    # from its own weights, every replica computes with the decoded ones.
+    def _keep_exact(self, output, input) -> None:
+        key = self._held_key(output)
+        if key in self._exact_pending:
+            # A second gather before the next step (a forced sync for a save or an evaluation, then the next
+            # forward's): the shard holds the decoded weights by now; the exact ones are already kept.
+            return
+        kept = self._exact_shards.get(key)
+        if kept is None or kept[1].numel() != input.numel():
+            kept = (input, torch.empty_like(input))
+        kept[1].copy_(input)  # before the gather is launched: its decode overwrites ``input``
+        self._exact_shards[key] = (input, kept[1])
+        self._exact_pending.add(key)
+
+    def restore_exact_weights(self) -> None:
+        """Put the owner's exact fp32 shards back where the optimizer reads them (the wrapped
+        ``DistributedOptimizer.step_with_ready_grads`` calls this first); each gather's are used once."""
+        for key in self._exact_pending:
+            view, exact = self._exact_shards[key]
+            view.copy_(exact)
+        self._exact_pending.clear()
+
+    @contextlib.contextmanager
+    def exact_weights(self):
+        """While active (a checkpoint save), the owners' shards hold the optimizer's exact fp32 weights, which a
+        save writes as the master copy; afterwards the decoded weights the replicas share again."""
+        swapped = []
+        for key in self._exact_pending:
+            view, exact = self._exact_shards[key]
+            swapped.append((view, view.clone()))
+            view.copy_(exact)
+        try:
+            yield
+        finally:
+            for view, decoded in swapped:
+                view.copy_(decoded)
+
+    def _install_exact_weights(self) -> None:
+        """Wrap ``DistributedOptimizer.step_with_ready_grads``: the exact shards first (restored by
+        ``_uninstall_ddp``)."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        hooks = self
+        original = DistributedOptimizer.step_with_ready_grads
+
+        def step_with_ready_grads(optimizer, *args, **kwargs):
+            hooks.restore_exact_weights()
+            return original(optimizer, *args, **kwargs)
+
+        DistributedOptimizer.step_with_ready_grads = step_with_ready_grads
+        self._saved_optimizer_step = original
 
     # ------------------------------------------------------------------ the gradient reduction (fsdp.py's too)
     def _reduce_scatter_grads(self, original, output, input, op, group, async_op, bucket: str | None = None):

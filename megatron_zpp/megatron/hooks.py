@@ -73,6 +73,11 @@ class MegatronHooks(DdpRouting, FsdpRouting):
         self._topologies: dict[tuple, Topology] = {}
         self._hpz_shards: dict[tuple[int, int], HpzShard] = {}
         self._held_shards: dict[tuple, HeldShard] = {}  # qWD: (bucket buffer ptr, numel, dtype) -> held shard
+        # fp32 weights under a lossy dp.param codec: bucket key -> (the owner's shard view, its exact values), and
+        # the keys gathered since the last optimizer step (ddp.py, "the optimizer's own shard")
+        self._exact_shards: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._exact_pending: set[tuple] = set()
+        self._saved_optimizer_step = None
         self._pending_gathers: dict[tuple, object] = {}  # (pipeline, bucket key) -> our gather handle
         # Error feedback: one fp32 residual per gradient bucket, keyed by a name that is the same in every run
         # of the same model and layout ("ddp.bucket3.n500000", "fsdp.bucket2"): not by storage, which

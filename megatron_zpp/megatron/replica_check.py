@@ -65,13 +65,16 @@ class ReplicaWeightCheck:
                     self._attach(f"chunk{c}.{name}", module)
 
     def _attach(self, name: str, module: torch.nn.Module) -> None:
-        def pre_forward(mod, _inputs):
-            if torch.is_grad_enabled():  # training uses; evaluation is not compared
-                self._uses.append((name, "forward", _digest(list(mod.parameters(recurse=False)))))
-
+        # The forward use is digested after the module's forward, not in a pre-hook: the weights cannot change
+        # during it, and Megatron's own pre-hook (which waits for the module's parameter gather) has run by then
+        # whatever the hook order. A pre-hook of ours would run *before* Megatron's once Megatron re-registers
+        # its hooks (disable_forward_pre_hook / enable_forward_pre_hook around a checkpoint save), and digest
+        # weights whose gather is still in flight: a false mismatch (seen with --overlap-param-gather and a save,
+        # Megatron alone included).
         def post_forward(mod, _inputs, output):
-            if not torch.is_grad_enabled():
+            if not torch.is_grad_enabled():  # training uses; evaluation is not compared
                 return
+            self._uses.append((name, "forward", _digest(list(mod.parameters(recurse=False)))))
             tensors = [output] if isinstance(output, torch.Tensor) else \
                 [t for t in (output if isinstance(output, (tuple, list)) else ()) if isinstance(t, torch.Tensor)]
             for t in tensors:
@@ -80,7 +83,6 @@ class ReplicaWeightCheck:
                     t.register_hook(lambda grad, mod=mod: self._on_backward(name, mod))
                     break
 
-        self._handles.append(module.register_forward_pre_hook(pre_forward))
         self._handles.append(module.register_forward_hook(post_forward))
 
     def _on_backward(self, name: str, module: torch.nn.Module) -> None:

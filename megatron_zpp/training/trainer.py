@@ -14,6 +14,7 @@ Launch with torchrun (one process per GPU, or per CPU rank)::
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -431,7 +432,10 @@ def _save(args, iteration, models, optimizer, scheduler, hooks, agreement=None) 
     for m in hooked:
         m.disable_forward_pre_hook(param_sync=True)
     try:
-        save_checkpoint(args, iteration, models, optimizer, scheduler, hooks, agreement=agreement)
+        # fp32 weights under a lossy dp.param codec: the owners' shards hold the decoded weights; the checkpoint
+        # gets the optimizer's exact ones (megatron/ddp.py, "the optimizer's own shard")
+        with hooks.exact_weights() if hooks is not None else contextlib.nullcontext():
+            save_checkpoint(args, iteration, models, optimizer, scheduler, hooks, agreement=agreement)
     finally:
         for m in hooked:
             m.enable_forward_pre_hook()
