@@ -253,9 +253,9 @@ def weight_difference_resume(directory: str) -> dict:
 
 def optimizer_steps_from_its_own_weights(parallel: list[str], iterations: int, directory: str) -> dict:
     """fp32 weights, distributed optimizer, zeropp (INT8 qwZ) with a checkpoint save midway: torch's AdamW step,
-    spied. Each step must start from exactly the weights the previous one produced (the optimizer's master
-    copy), not from the decoded weights the gather wrote over them; and the gathered weights must differ from
-    the optimizer's (the codec is lossy), or the check would be empty."""
+    spied through torch's global step hooks. Each step must start from exactly the weights the previous one
+    produced (the optimizer's master copy), not from the decoded weights the gather wrote over them (without the
+    fix, every step after the first does)."""
     import torch
 
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -282,8 +282,14 @@ def optimizer_steps_from_its_own_weights(parallel: list[str], iterations: int, d
             h.remove()
     continuous = [all(torch.equal(b, a) for b, a in zip(snapshots[k][0], snapshots[k - 1][1]))
                   for k in range(1, len(snapshots))]
+    # Resumed from the last checkpoint for 2 more iterations: replicas must agree from the first forward on
+    # (the checkpoint's model tensor is DP rank 0's copy; the optimizer then loads each owner's exact shard).
+    resumed = pretrain(SMALL + parallel + ["--zpp-policy", "zeropp", "--zpp-ranks-per-node", "2", "--eval-iters", "0",
+                                           "--train-iters", str(iterations + 2), "--load", directory,
+                                           "--check-replica-weights"], log=_quiet)
     return {"steps": len(snapshots), "continuous": continuous, "finite": run["finite"],
-            "replica_check": run["replica_check"]}
+            "replica_check": run["replica_check"], "resumed_replica_check": resumed["replica_check"],
+            "resumed_losses": resumed["losses"]}
 
 
 def none_is_megatron(parallel: list[str], iterations: int) -> dict:

@@ -385,7 +385,8 @@ def test_fp32_optimizer_steps_from_its_own_weights_under_a_lossy_gather(layout, 
     """fp32 weights on the distributed optimizer have no separate master copy: a lossy weight gather (zeropp's
     INT8 qwZ) decodes over the optimizer's shard. Every optimizer step must still start from the weights the
     previous step produced, through a checkpoint save (which writes those, not the decoded ones), with and
-    without overlapped gathers; replicas still compute with identical weights at every use."""
+    without overlapped gathers; replicas still compute with identical weights at every use, also in a run
+    resumed from that checkpoint."""
     r = run_distributed(checks.optimizer_steps_from_its_own_weights, 4, REPLICA_LAYOUTS[layout], 4,
                         str(tmp_path / "ckpt"), ranks_per_node=2, timeout_s=600)
     for rank, x in enumerate(r):
@@ -394,6 +395,10 @@ def test_fp32_optimizer_steps_from_its_own_weights_under_a_lossy_gather(layout, 
               f"{x['replica_check']['first_mismatches'][:2]}")
         assert x["finite"] and x["steps"] == 4 and all(x["continuous"]), x["continuous"]
         assert x["replica_check"]["mismatches"] == 0 and x["replica_check"]["uses_compared"] > 0
+        resumed = x["resumed_replica_check"]
+        print(f"  resumed: losses {x['resumed_losses']}, {resumed['uses_compared']} uses compared, "
+              f"{resumed['mismatches']} mismatches {resumed['first_mismatches'][:2]}")
+        assert len(x["resumed_losses"]) == 2 and resumed["mismatches"] == 0 and resumed["uses_compared"] > 0
 
 
 @pytest.mark.parametrize("layout", [

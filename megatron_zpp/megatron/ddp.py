@@ -204,13 +204,16 @@ class DdpRouting:
         self._exact_shards[key] = (input, kept[1])
         self._exact_pending.add(key)
 
-    def restore_exact_weights(self) -> None:
+    def restore_exact_weights(self, optimizer=None) -> None:
         """Put the owner's exact fp32 shards back where the optimizer reads them (the wrapped
-        ``DistributedOptimizer.step_with_ready_grads`` calls this first); each gather's are used once."""
-        for key in self._exact_pending:
+        ``DistributedOptimizer.step_with_ready_grads`` calls this first); each gather's are used once. With an
+        ``optimizer``, only the shards of its own parameter buffers: under a ChainedOptimizer (MoE: dense and
+        expert optimizers) the first optimizer's step gathers its buffers before the second one steps."""
+        owned = _buffer_ranges(optimizer)
+        for key in [k for k in self._exact_pending if owned is None or any(lo <= k[0] < hi for lo, hi in owned)]:
             view, exact = self._exact_shards[key]
             view.copy_(exact)
-        self._exact_pending.clear()
+            self._exact_pending.discard(key)
 
     @contextlib.contextmanager
     def exact_weights(self):
@@ -236,7 +239,7 @@ class DdpRouting:
         original = DistributedOptimizer.step_with_ready_grads
 
         def step_with_ready_grads(optimizer, *args, **kwargs):
-            hooks.restore_exact_weights()
+            hooks.restore_exact_weights(optimizer)
             return original(optimizer, *args, **kwargs)
 
         DistributedOptimizer.step_with_ready_grads = step_with_ready_grads
@@ -265,6 +268,16 @@ class DdpRouting:
         return None, compressed_all_reduce(tensor, self.topology(group), codec=self.grad_codec, op=_op_name(op), async_op=async_op,
                                            tag=GRAD_TAG, intra_codec=self._intra_codec(),
                                            stages=self.policy.qgz_stages, residual=self._residual(tensor, bucket))
+
+
+def _buffer_ranges(optimizer) -> list[tuple[int, int]] | None:
+    """The address ranges of a DistributedOptimizer's parameter buffers (None: not known, restore all)."""
+    buffers = list(getattr(optimizer, "buffers", None) or []) + list(getattr(optimizer, "expert_parallel_buffers",
+                                                                             None) or [])
+    data = [b.param_data for b in buffers if getattr(b, "param_data", None) is not None]
+    if not data:
+        return None
+    return [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in data]
 
 
 class _ChainedHandle:

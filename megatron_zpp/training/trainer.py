@@ -204,6 +204,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             start_iteration = load_checkpoint(args, models, optimizer, scheduler, hooks, log=log, agreement=agreement)
             hooks.invalidate_secondary()
             hooks.resync_weights()  # qWD: the loaded weights are gathered in full precision first
+            _gather_loaded_fp32_weights(args, models, hooks)
 
         dp_rank = parallel_state.get_data_parallel_rank()
         dp_size = parallel_state.get_data_parallel_world_size()
@@ -419,8 +420,25 @@ def _reload_after_divergence(args, models, optimizer, scheduler, hooks, guard, l
     iteration = load_checkpoint(reload_args, models, optimizer, scheduler, hooks, log=log, agreement=agreement)
     hooks.invalidate_secondary()
     hooks.resync_weights()
+    _gather_loaded_fp32_weights(args, models, hooks)
     log(f"[divergence guard] rank {dist.get_rank()}: reloaded {folder} at iteration {iteration}")
     return iteration
+
+
+def _gather_loaded_fp32_weights(args, models, hooks) -> None:
+    """fp32 weights under a lossy dp.param gather, after a load: the model tensor of a checkpoint is data-parallel
+    rank 0's copy (its own shard exact, the others decoded), and the optimizer then writes each owner's exact
+    shard over its slice (fp32 main parameters are views of it). Gather once, so every replica holds the
+    decoded weights of every shard, as the uninterrupted run did after its gather."""
+    dp_param = hooks.policy.codec("dp.param") if hooks is not None else "none"
+    if not args.use_distributed_optimizer or args.bf16 or args.fp16 or dp_param == "none":
+        return
+    from megatron_zpp.compression import get_codec
+
+    if get_codec(dp_param).lossless:
+        return
+    for m in models:
+        m.start_param_sync(force_sync=True)
 
 
 def _save(args, iteration, models, optimizer, scheduler, hooks, agreement=None) -> None:
