@@ -70,7 +70,9 @@ class ReplicaWeightCheck:
         # whatever the hook order. A pre-hook of ours would run *before* Megatron's once Megatron re-registers
         # its hooks (disable_forward_pre_hook / enable_forward_pre_hook around a checkpoint save), and digest
         # weights whose gather is still in flight: a false mismatch (seen with --overlap-param-gather and a save,
-        # Megatron alone included).
+        # Megatron alone included). With full activation recomputation the first forward runs without grad (not
+        # recorded) and the recomputed one, during the backward, is the recorded "forward" use: the same on every
+        # rank, so still compared like for like.
         def post_forward(mod, _inputs, output):
             if not torch.is_grad_enabled():  # training uses; evaluation is not compared
                 return
