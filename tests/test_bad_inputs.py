@@ -530,11 +530,12 @@ def _checkpoint_worker(workdir: str) -> dict:
             out[row] = str(e)
     # Another policy: weights and optimizer do not depend on it, so the first loss after the resume (a forward pass
     # of the loaded weights) is the same bit for bit as resuming with the saving policy; the log says the
-    # compression state (RNG, residuals) restarts.
+    # compression state (RNG, residuals) restarts. Its dp.param stays uncompressed: with a lossy weight gather
+    # the fp32 weights are gathered (decoded) once after the load, as every forward of that policy sees them.
     lines: list[str] = []
     same = pretrain(base + ["--train-iters", "3", "--load", workdir, "--zpp-policy", "none"],
                     log=megatron_checks._quiet)["losses"]
-    other = pretrain(base + ["--train-iters", "3", "--load", workdir, "--zpp-policy", "zeropp"],
+    other = pretrain(base + ["--train-iters", "3", "--load", workdir, "--zpp-policy", "zeropp", "--zpp-dp-param", "none"],
                      log=lines.append)["losses"]
     out["ckpt-other-policy"] = {"same": same, "other": other, "log": [str(x) for x in lines]}
     return out
