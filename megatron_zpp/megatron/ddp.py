@@ -137,7 +137,7 @@ class DdpRouting:
 
         def all_gather(output, input, group=None, async_op=False):
             if hooks.policy.param_difference and not difference:
-                hooks._held_shards.pop(hooks._held_key(output), None)  # replicas get exact weights: resync after
+                hooks._held_shards.pop(hooks._bucket_key(output), None)  # replicas get exact weights: resync after
             if hooks._megatron_runs(codec):
                 hooks._record_torch(PARAM_TAG, "all_gather", group, input.numel() * input.element_size(), input.device)
                 return original_ag(output, input, group=group, async_op=async_op)
@@ -166,15 +166,17 @@ class DdpRouting:
 
     # ------------------------------------------------------------------ qWD's held shards
     @staticmethod
-    def _held_key(output) -> tuple:
+    def _bucket_key(output) -> tuple:
+        """A bucket, by its gathered parameter buffer (qWD's held shards and the fp32 exact shards are kept per
+        bucket)."""
         return output.data_ptr(), output.numel(), output.dtype
 
     def _held_shard(self, output, input) -> HeldShard:
         """This rank's :class:`HeldShard` of the bucket whose gathered weights are ``output``: empty (a
         full-precision gather first) when new or after :meth:`resync_weights`."""
-        held = self._held_shards.get(self._held_key(output))
+        held = self._held_shards.get(self._bucket_key(output))
         if held is None:
-            held = self._held_shards[self._held_key(output)] = HeldShard(input.numel(), input.dtype, input.device)
+            held = self._held_shards[self._bucket_key(output)] = HeldShard(input.numel(), input.dtype, input.device)
         return held
 
     def resync_weights(self) -> None:
@@ -192,16 +194,16 @@ class DdpRouting:
     # put back before the optimizer's next step (and while a checkpoint is saved): the optimizer always steps
     # from its own weights, every replica computes with the decoded ones.
     def _keep_exact(self, output, input) -> None:
-        key = self._held_key(output)
+        key = self._bucket_key(output)
         if key in self._exact_pending:
             # A second gather before the next step (a forced sync for a save or an evaluation, then the next
             # forward's): the shard holds the decoded weights by now; the exact ones are already kept.
             return
-        kept = self._exact_shards.get(key)
-        if kept is None or kept[1].numel() != input.numel():
-            kept = (input, torch.empty_like(input))
-        kept[1].copy_(input)  # before the gather is launched: its decode overwrites ``input``
-        self._exact_shards[key] = (input, kept[1])
+        exact = self._exact_shards.get(key, (None, None))[1]
+        if exact is None or exact.numel() != input.numel():
+            exact = torch.empty_like(input)
+        exact.copy_(input)  # before the gather is launched: its decode overwrites ``input``
+        self._exact_shards[key] = (input, exact)
         self._exact_pending.add(key)
 
     def restore_exact_weights(self, optimizer=None) -> None:
