@@ -156,6 +156,36 @@ def test_killed_rank_names_it_and_the_restart_resumes(tmp_path):
     assert resumed == reference[4:]
 
 
+def test_store_host_does_not_wait_for_a_rank_a_verdict_names_as_failed():
+    """Rank 0 (hosting the store) learns of rank 2's death from rank 1's verdict: it waits for the live ranks to
+    read it and mark themselves exiting, not for rank 2, which never will (it sat out its whole bound, a CI run
+    saw rank 0 exit 6 s after its peers). A rank's verdict naming itself (a step failure it reports) keeps it
+    waited for: it is alive and marks itself exiting."""
+    from megatron_zpp.testing import run_distributed
+
+    assert run_distributed(_linger_checks, 1)[0] == {"found by rank 1": [1, 3], "self-reported by rank 3": [1, 2, 3]}
+
+
+def _linger_checks():
+    import torch.distributed as dist
+
+    from megatron_zpp.training.watchdog import RankFailureConfig, RankWatchdog
+
+    out = {}
+    for case, verdict in (("found by rank 1", "1|2|rank 2 stopped responding"),
+                          ("self-reported by rank 3", "3|3|rank 3 failed in checkpoint commit")):
+        store = dist.HashStore()
+        watchdog = RankWatchdog(RankFailureConfig(rank_timeout=10.0, heartbeat_interval=1.0), store=store)
+        watchdog.world = 4  # a 4-rank run as rank 0 sees it; the other ranks' keys are written here
+        store.set("verdict", verdict)
+        assert watchdog._verdict() is not None
+        waited = []
+        watchdog._wait_until_exiting = waited.extend
+        watchdog.linger_if_store_host()
+        out[case] = waited
+    return out
+
+
 @pytest.mark.slow
 def test_hung_rank_is_named_by_every_rank_within_the_timeout(tmp_path):
     ranks = Ranks(tmp_path / "hung", TINY + ["--train-iters", "8"], fault="hang:1:3")

@@ -269,6 +269,10 @@ class RankWatchdog:
         finder, ranks, detail = self.store.get("verdict").decode().split("|", 2)
         named = [int(r) for r in ranks.split(",") if r]
         self._last_finder, self._last_named = int(finder), named
+        if named != [int(finder)]:
+            # Ranks another rank found dead or hung: nobody waits for them to mark themselves exiting
+            # (``linger_if_store_host`` would otherwise sit out its whole bound for a rank that never will).
+            self._gone |= set(named)
         # A rank reporting its own failure names itself already.
         return named, detail if named == [int(finder)] else f"{detail} (found by rank {finder})"
 
@@ -338,7 +342,7 @@ class RankWatchdog:
             self._explaining = False
         gone = [r for r in range(self.world)
                 if r != self.rank and r not in exiting and (after[r] is None or before[r] == after[r])]
-        self._gone = set(gone)
+        self._gone |= set(gone)
         if gone:
             where = "; ".join(f"rank {r}: " + ("never sent a heartbeat" if after[r] is None else
                                                f"last seen at {_where(after[r][1])}") for r in gone)
