@@ -7,15 +7,22 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(megatron_zpp, m) {
-  m.def("quantize_rows_(Tensor x, Tensor(a!) packed, int bits, int block, bool stochastic, int seed) -> ()");
+  // hadamard: 0 (off) or the run length of the Walsh-Hadamard smoothing (blockwise.md), applied to the fp32
+  // values before quantizing and to the fp32 decode (or sum) after.
+  m.def(
+      "quantize_rows_(Tensor x, Tensor(a!) packed, int bits, int block, bool stochastic, int seed, "
+      "int hadamard=0) -> ()");
   m.def(
       "reorder_quantize_(Tensor x, Tensor(a!) packed, int bits, int block, int nodes, int node_size, "
-      "int stages, bool stochastic, int seed) -> ()");
-  m.def("dequantize_rows_(Tensor packed, Tensor(a!) out, int bits, int block) -> ()");
+      "int stages, bool stochastic, int seed, int hadamard=0) -> ()");
+  m.def("dequantize_rows_(Tensor packed, Tensor(a!) out, int bits, int block, int hadamard=0) -> ()");
   m.def(
       "dequant_reduce_quantize_(Tensor packed_in, Tensor(a!) packed_out, int row_numel, int bits_in, "
-      "int block_in, int bits_out, int block_out, bool stochastic, int seed) -> ()");
-  m.def("dequant_reduce_(Tensor packed_in, Tensor(a!) out, int bits, int block, float divisor) -> ()");
+      "int block_in, int bits_out, int block_out, bool stochastic, int seed, int hadamard_in=0, "
+      "int hadamard_out=0) -> ()");
+  m.def(
+      "dequant_reduce_(Tensor packed_in, Tensor(a!) out, int bits, int block, float divisor, "
+      "int hadamard=0) -> ()");
   // Lossless MPC: the whole container payload (on CUDA a worst-case-sized buffer, true length in its header).
   m.def("mpc_encode(Tensor x, int dim) -> Tensor");
   m.def("mpc_decode_(Tensor payload, Tensor(a!) out, int dim) -> ()");

@@ -643,3 +643,83 @@ def weight_difference_worker(dtype_name: str, codec: str, shard: int, steps: int
     nan_rows = torch.isnan(buf.view(size, shard).float()).any(dim=1).tolist()
     return {"steps": steps_out, "nan_rows": nan_rows,
             "row_bytes": layout.row_bytes(shard, bits, block), "qwz_row_bytes": layout.row_bytes(shard, 8, 256)}
+
+
+# ------------------------------------------------ qgZ with Hadamard smoothing -----
+def _rotate64(v: torch.Tensor, h: int) -> torch.Tensor:
+    """The exact normalized Walsh-Hadamard transform of every full run of ``h`` values of each row (float64)."""
+    from megatron_zpp.compression.reference import hadamard_rows
+
+    return hadamard_rows(v, h) * (layout.hadamard_scale(h) * math.sqrt(h)) ** -1 if h else v
+
+
+def _run_norms(v: torch.Tensor, h: int) -> torch.Tensor:
+    """L2 norm of each run of ``h`` values of a [..., L] tensor (L a multiple of h), broadcast back per element."""
+    r = v.reshape(*v.shape[:-1], -1, h).norm(dim=-1, keepdim=True)
+    return r.expand(*v.shape[:-1], v.shape[-1] // h, h).reshape(v.shape)
+
+
+def qgz_hadamard_bound(inputs: list[torch.Tensor], topo: Topology, dest: int, codec: str, intra: str | None,
+                       divisor: int, dtype: torch.dtype):
+    """The exact mean of ``dest``'s chunk and, per run of the inter-node codec's ``hadamard``, a bound on the L2
+    norm of qgZ's error on that run (one stage; the chunk a multiple of the run).
+
+    Hop 1 (intra, not rotated): each element within k1 * absmax / qmax. A node's partial sum P + E (E: the hop-1
+    errors) is rotated and quantized: an element of H(P + E) is at most |HP| + ||E_run||_2 (each row of H/sqrt(h)
+    has unit norm), so each rotated block's error is within k2 * that block's bound / qmax per element, and
+    sqrt(h) times that on a run in L2; rotating back keeps L2 norms."""
+    size, n, nodes = topo.size, topo.node_size, topo.num_nodes
+    length = inputs[0].numel() // size
+    x = torch.stack([t.view(size, length)[dest].double() for t in inputs])
+    exact = x.sum(0)
+    bits2, block2, k2 = codec_params(codec)
+    h = get_codec(codec).hadamard
+    assert h and length % h == 0 and (n == 1 or nodes == 1 or not get_codec(intra or codec).hadamard)
+    bits1, block1, k1 = codec_params(intra or codec) if n > 1 else (bits2, block2, k2)
+    if n == 1 or nodes == 1:  # one hop: every rank's rows rotated by the first hop's own codec
+        first = intra or codec if n > 1 else codec
+        h1 = get_codec(first).hadamard
+        rotated = _rotate64(x, h1) if h1 else x
+        e = k1 * block_absmax(rotated, length, block1) / layout.qmax_for_bits(bits1)
+        err = _run_norms(e, h).sum(0) if h1 else _run_norms(e.sum(0), h)
+    else:
+        e1 = k1 * block_absmax(x, length, block1) / layout.qmax_for_bits(bits1)
+        err = torch.zeros(length, dtype=torch.float64)
+        for m in range(nodes):
+            members = slice(m * n, (m + 1) * n)
+            hop1 = _run_norms(e1[members].sum(0), h)  # ||E_run||_2
+            peak = _rotate64(x[members].sum(0).unsqueeze(0), h)[0].abs() + hop1
+            block_peak = block_absmax(peak, length, block2)
+            err += hop1 + math.sqrt(h) * k2 * block_peak / layout.qmax_for_bits(bits2)
+    err = err * (1 + FP32_SLOP) + FP32_SLOP * _run_norms(x.abs().sum(0), h)
+    mean = exact / divisor
+    return mean, err / divisor + OUT_EPS[dtype] * (_run_norms(mean, h) + err / divisor)
+
+
+def qgz_hadamard_worker(seed: int) -> dict:
+    """qgZ with the inter-node INT4 rotated (SDP4Bit's two levels: INT8/512 inside the node, INT4/128 with
+    Hadamard 32 across): the error of each run within the rotated bound; and its relative L2 error against
+    plain INT4/128 on the same heavy-tailed gradients."""
+    topo = Topology(None)
+    size, rank = topo.size, topo.rank
+    out: dict = {"ratio": 0.0}
+    length = 1024
+    configs = {"int4+H": ("int4:block=128,hadamard=32", "int8:block=512"),
+               "int4": ("int4:block=128", "int8:block=512")}
+    errors: dict[str, float] = {}
+    for dtype in DTYPES:
+        grads = [heavy_tailed(size * length, gen(seed, r)).to(dtype) for r in range(size)]
+        exact = torch.stack([g.view(size, length)[rank].double() for g in grads]).sum(0) / size
+        for name, (codec, intra) in configs.items():
+            got = torch.full((length,), float("nan"), dtype=dtype)
+            qgz_reduce_scatter(got, grads[rank], topo, codec=codec, intra_codec=intra, op="mean")
+            errors[f"{name} {dtype}"] = float((got.double() - exact).norm() / exact.norm())
+            if "+H" in name:
+                mean, bound = qgz_hadamard_bound(grads, topo, rank, codec, intra, size, dtype)
+                run_error = _run_norms(got.double() - mean, 32)
+                bad = run_error > bound
+                assert not bad.any(), (f"qgZ {codec} intra={intra} {dtype}: {int(bad.sum())} elements' runs over "
+                                       f"the bound, worst {float((run_error / bound).max()):.3f}")
+                out["ratio"] = max(out["ratio"], float((run_error / bound).max()))
+    out["errors"] = errors
+    return out

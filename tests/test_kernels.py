@@ -706,3 +706,113 @@ def test_cuda_schedule_short_rows(length, bits):
     y = torch.empty(rows * length)
     torch.ops.megatron_zpp._cuda_schedule_dequantize_rows_(want, y, bits, block)
     assert float_diff(y, ops.dequantize(want, (rows * length,), torch.float32, bits, block)) == 0
+
+
+# ------------------------------------------ Hadamard smoothing in the ops ------
+def _heavy_tailed(numel: int, dtype, device, nonfinite=False) -> torch.Tensor:
+    """Student-t (3 degrees of freedom) values, what the rotation is for; NaN and Inf at fixed spots."""
+    g = torch.Generator().manual_seed(numel + 1)
+    x = torch.randn(numel, generator=g) / torch.randn(3, numel, generator=g).pow(2).mean(0).sqrt()
+    if nonfinite and numel > 300:
+        x[37], x[-200] = float("nan"), float("-inf")
+    return x.to(dtype).to(device)
+
+
+def _all_ops(x, rows, length, bits, block, hadamard, stochastic, dtype, device, backend, packed_in):
+    """Every op with Hadamard smoothing on: outputs by name. ``packed_in``: [C, K, row] rows rotated with
+    ``hadamard``, the reduce ops' input."""
+    rb = layout.row_bytes(length, bits, block)
+    out = {}
+    q = torch.full((rows, rb), 0xAB, dtype=torch.uint8, device=device)
+    ops.quantize_rows_(x, q, bits, block, stochastic, SEED, hadamard, backend=backend)
+    out["quantize"] = q
+    r = torch.empty_like(q)
+    ops.reorder_quantize_(x, r, bits, block, 2, 2, 1, stochastic, SEED, hadamard, backend=backend)
+    out["reorder"] = r
+    y = torch.empty(rows * length, dtype=dtype, device=device)
+    ops.dequantize_rows_(q, y, bits, block, hadamard, backend=backend)
+    out["dequantize"] = y
+    chunks, k = packed_in.shape[:2]
+    # In and out rotations: off-on (qgZ's intra INT8 -> inter INT4 hop), on-off, on-on (stays rotated).
+    for h_in, h_out in ((0, hadamard), (hadamard, 0), (hadamard, hadamard)):
+        red = torch.empty(k, layout.row_bytes(length, 4, 2 * block), dtype=torch.uint8, device=device)
+        ops.dequant_reduce_quantize_(packed_in, red, length, bits, block, 4, 2 * block, stochastic, SEED, h_in, h_out,
+                                     backend=backend)
+        out[f"reduce_quantize {h_in}->{h_out}"] = red
+    mean = torch.empty(k * length, dtype=dtype, device=device)
+    ops.dequant_reduce_(packed_in, mean, bits, block, 3.0, hadamard, backend=backend)
+    out["reduce"] = mean
+    return out
+
+
+@pytest.mark.parametrize("bits,block,hadamard", [(4, 128, 32), (8, 512, 64), (4, 40, 8), (8, 256, 256), (4, 64, 2)])
+def test_hadamard_ops_match_reference_at_every_level(bits, block, hadamard, kernel_device):
+    """The five ops with the rotation give the reference's bits on every CPU level (and CUDA where built):
+    fp32/bf16/fp16, nearest and stochastic, partial last blocks and a partial last run (length 1031 is
+    not a multiple of any run), NaN/Inf blocks."""
+    rows, length = 4, 1031
+    levels = CPU_ISAS if kernel_device.type == "cpu" else [None]
+    for level in levels:
+        previous = torch.ops.megatron_zpp._set_cpu_isa(level) if level else None
+        try:
+            for dtype, stochastic in itertools.product(FLOAT_DTYPES, (False, True)):
+                x = _heavy_tailed(rows * length, dtype, kernel_device, nonfinite=True)
+                packed_in = ops.quantize(_heavy_tailed(rows * length, torch.float32, kernel_device), bits, block,
+                                         rows=rows, hadamard=hadamard).view(2, 2, -1)
+                got, want = (_all_ops(x, rows, length, bits, block, hadamard, stochastic, dtype, kernel_device, b,
+                                      packed_in) for b in ("kernel", "reference"))
+                for name in want:
+                    where = (level, name, dtype, stochastic)
+                    if want[name].dtype == torch.uint8:
+                        assert torch.equal(got[name], want[name]), where
+                    else:
+                        assert float_diff(got[name], want[name]) == 0, where
+        finally:
+            if previous:
+                torch.ops.megatron_zpp._set_cpu_isa(previous)
+
+
+@pytest.mark.parametrize("bits,block,hadamard", [(4, 128, 32), (8, 256, 64)])
+def test_hadamard_round_trip_and_mean_are_within_the_rotated_bound(bits, block, hadamard, kernel_device):
+    """Quantizing rotated runs and rotating the decode back: the error of each run is bounded in L2 by the
+    rotated block's own bound (the rotation is orthogonal), sqrt(h) * scale / 2 (+ fp32 slack); the mean of C
+    rotated rows by dequant_reduce_ is within the average of those bounds; NaN/Inf reach the whole block."""
+    rows, length, qmax = 3, 4096, layout.qmax_for_bits(bits)
+    x = _heavy_tailed(rows * length, torch.float32, kernel_device).view(rows, length)
+    q = ops.quantize(x, bits, block, rows=rows, hadamard=hadamard)
+    y = ops.dequantize(q, (rows, length), torch.float32, bits, block, hadamard=hadamard)
+    from megatron_zpp.compression.reference import hadamard_rows
+
+    rotated_absmax = hadamard_rows(x.cpu(), hadamard).view(rows, -1, block).abs().amax(-1)
+    run_bound = (rotated_absmax / qmax / 2 * math.sqrt(hadamard)).repeat_interleave(block // hadamard, 1)
+    run_error = (y.cpu() - x.cpu()).view(rows, -1, hadamard).norm(dim=-1)
+    slack = 1e-5 * x.abs().max().item()
+    assert (run_error <= run_bound * 1.001 + slack).all(), (run_error / run_bound).max()
+    mean = torch.empty(length, device=kernel_device)
+    ops.dequant_reduce_(q.view(rows, 1, -1), mean, bits, block, float(rows), hadamard)
+    mean_error = (mean.cpu() - x.cpu().mean(0)).view(-1, hadamard).norm(dim=-1)
+    assert (mean_error <= run_bound.mean(0) * 1.001 + slack).all()
+    x[1, 300] = float("nan")
+    y = ops.dequantize(ops.quantize(x, bits, block, rows=rows, hadamard=hadamard), (rows, length), torch.float32,
+                       bits, block, hadamard=hadamard)
+    nan_blocks = torch.isnan(y).view(rows, -1, block).all(-1)
+    assert nan_blocks.sum() == 1 and nan_blocks[1, 300 // block]  # the block, whole; nothing else
+
+
+def test_hadamard_arguments_are_validated(kernel_device):
+    x = torch.randn(256, device=kernel_device)
+    packed = torch.empty(1, layout.row_bytes(256, 4, 128), dtype=torch.uint8, device=kernel_device)
+    for bad in (3, 256, 1, 8192):
+        with pytest.raises(ValueError, match=f"hadamard={bad} is not valid with block=128"):
+            ops.quantize_rows_(x, packed, 4, 128, hadamard=bad)
+    with pytest.raises(ValueError, match="hadamard=3 is not valid with block=128"):
+        ops.dequantize_rows_(packed, x, 4, 128, hadamard=3)
+    stacked = packed.view(1, 1, -1)
+    out = torch.empty(1, layout.row_bytes(256, 4, 64), dtype=torch.uint8, device=kernel_device)
+    with pytest.raises(ValueError, match="hadamard_in=128 must also divide block_out=64"):
+        ops.dequant_reduce_quantize_(stacked, out, 256, 4, 128, 4, 64, hadamard_in=128)
+    # the C++ checks, for callers that bypass the Python wrapper
+    with pytest.raises(RuntimeError, match="hadamard=96 is not valid with block=128"):
+        torch.ops.megatron_zpp.quantize_rows_(x, packed, 4, 128, False, 0, 96)
+    with pytest.raises(RuntimeError, match="hadamard_in=128 must also divide block_out=64"):
+        torch.ops.megatron_zpp.dequant_reduce_quantize_(stacked, out, 256, 4, 128, 4, 64, False, 0, 128, 0)

@@ -164,42 +164,49 @@ CpuDtype cpu_dtype(const at::Tensor& t) {
 
 // ------------------------------------------------------------ op bodies -----
 void quantize_rows_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t block, bool stochastic,
-                       int64_t seed) {
+                       int64_t seed, int64_t hadamard) {
   const int64_t length = check_quantize_rows(x, packed, bits, block);
+  const int log2h = check_hadamard(hadamard, block);
   cpu_kernels().quantize_rows(x.data_ptr(), cpu_dtype(x), packed.data_ptr<uint8_t>(), packed.size(0), length,
-                              static_cast<int>(bits), block, stochastic, static_cast<uint64_t>(seed), nullptr);
+                              static_cast<int>(bits), block, stochastic, static_cast<uint64_t>(seed), log2h, nullptr);
 }
 
 void reorder_quantize_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t block, int64_t nodes,
-                          int64_t node_size, int64_t stages, bool stochastic, int64_t seed) {
+                          int64_t node_size, int64_t stages, bool stochastic, int64_t seed, int64_t hadamard) {
   const int64_t length = check_reorder_quantize(x, packed, bits, block, nodes, node_size, stages);
+  const int log2h = check_hadamard(hadamard, block);
   const RowReorder reorder{stages, node_size, nodes};
   cpu_kernels().quantize_rows(x.data_ptr(), cpu_dtype(x), packed.data_ptr<uint8_t>(), packed.size(0), length,
-                              static_cast<int>(bits), block, stochastic, static_cast<uint64_t>(seed), &reorder);
+                              static_cast<int>(bits), block, stochastic, static_cast<uint64_t>(seed), log2h, &reorder);
 }
 
-void dequantize_rows_cpu(const at::Tensor& packed, const at::Tensor& out, int64_t bits, int64_t block) {
+void dequantize_rows_cpu(const at::Tensor& packed, const at::Tensor& out, int64_t bits, int64_t block,
+                         int64_t hadamard) {
   const int64_t length = check_dequantize_rows(packed, out, bits, block);
+  const int log2h = check_hadamard(hadamard, block);
   cpu_kernels().dequantize_rows(packed.data_ptr<uint8_t>(), out.data_ptr(), cpu_dtype(out), packed.size(0), length,
-                                static_cast<int>(bits), block);
+                                static_cast<int>(bits), block, log2h);
 }
 
 void dequant_reduce_quantize_cpu(const at::Tensor& packed_in, const at::Tensor& packed_out, int64_t row_numel,
                                  int64_t bits_in, int64_t block_in, int64_t bits_out, int64_t block_out,
-                                 bool stochastic, int64_t seed) {
+                                 bool stochastic, int64_t seed, int64_t hadamard_in, int64_t hadamard_out) {
   check_dequant_reduce_quantize(packed_in, packed_out, row_numel, bits_in, block_in, bits_out, block_out);
+  const int log2h_in = check_hadamard_in_out(hadamard_in, block_in, block_out, "hadamard_in");
+  const int log2h_out = check_hadamard(hadamard_out, block_out, "hadamard_out");
   cpu_kernels().dequant_reduce_quantize(packed_in.data_ptr<uint8_t>(), packed_out.data_ptr<uint8_t>(),
                                         packed_in.size(0), packed_in.size(1), row_numel, static_cast<int>(bits_in),
                                         block_in, static_cast<int>(bits_out), block_out, stochastic,
-                                        static_cast<uint64_t>(seed));
+                                        static_cast<uint64_t>(seed), log2h_in, log2h_out);
 }
 
 void dequant_reduce_cpu(const at::Tensor& packed_in, const at::Tensor& out, int64_t bits, int64_t block,
-                        double divisor) {
+                        double divisor, int64_t hadamard) {
   const int64_t length = check_dequant_reduce(packed_in, out, bits, block, divisor);
+  const int log2h = check_hadamard(hadamard, block);
   cpu_kernels().dequant_reduce(packed_in.data_ptr<uint8_t>(), out.data_ptr(), cpu_dtype(out), packed_in.size(0),
                                packed_in.size(1), length, static_cast<int>(bits), block,
-                               static_cast<float>(divisor));
+                               static_cast<float>(divisor), log2h);
 }
 
 

@@ -85,6 +85,23 @@ struct Widened<float> {  // fp32: used in place
   const float* operator()(const float* x, int64_t) { return x; }
 };
 
+// Hadamard smoothing (quant_math.h hadamard_range): a block's values widened into
+// a per-task fp32 buffer (fp32 copied) and rotated there, every dtype alike.
+template <typename T>
+struct Rotated {
+  std::vector<float> buf;
+  float* operator()(const T* x, int64_t n, int log2h) {
+    if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+    if constexpr (std::is_same_v<T, float>) {
+      std::memcpy(buf.data(), x, n * sizeof(float));
+    } else {
+      widen(x, n, buf.data());
+    }
+    hadamard_range(buf.data(), n, log2h);
+    return buf.data();
+  }
+};
+
 #if ZPP_CPU_ISA_F16C
 // ---- fp16 outputs at the F16C levels: narrowed straight from registers ----
 // from_f32<c10::Half> is one scalar vcvtps2ph per value and keeps the decode
@@ -282,13 +299,14 @@ inline void quantize_block_dispatch(const T* x, int64_t n, int64_t block, int bi
 // bf16/fp16 blocks are widened to fp32 first (Widened); fp32 is read in place.
 template <typename T, typename RowMap>
 void quantize_rows_kernel(const T* x, uint8_t* packed, int64_t rows, int64_t length, int bits, int64_t block,
-                          bool stochastic, uint64_t seed, RowMap row_map) {
+                          bool stochastic, uint64_t seed, int log2h, RowMap row_map) {
   const int64_t nb = num_blocks(length, block);
   const int64_t rb = row_bytes(length, bits, block);
   const int64_t used = ceil_div(length * bits, 8);
   const int64_t padded = data_bytes(length, bits);
   at::parallel_for(0, rows * nb, grain_blocks(block), [&](int64_t b0, int64_t b1) {
     Widened<T> wide;
+    Rotated<T> rotated;
     // Walk (row, block) incrementally: a 64-bit division per block costs as
     // much as quantizing a quarter of a 256-element block.
     int64_t r = b0 / nb, k = b0 % nb;
@@ -298,9 +316,17 @@ void quantize_rows_kernel(const T* x, uint8_t* packed, int64_t rows, int64_t len
       const int64_t e0 = k * block;
       const int64_t n = std::min(block, length - e0);
       float scale;
-      quantize_block_dispatch<!std::is_same_v<T, float>>(wide(x + r * length + e0, n), n, block, bits, stochastic,
-                                                         seed, static_cast<uint64_t>(r * length + e0), &scale,
-                                                         data + e0 * bits / 8);
+      if (log2h) {
+        // Hadamard smoothing: the block's fp32 values rotated in a per-task copy, then the
+        // widened-block code (runs start at block starts: h divides the block).
+        float* v = rotated(x + r * length + e0, n, log2h);
+        quantize_block_dispatch<true>(v, n, block, bits, stochastic, seed, static_cast<uint64_t>(r * length + e0),
+                                      &scale, data + e0 * bits / 8);
+      } else {
+        quantize_block_dispatch<!std::is_same_v<T, float>>(wide(x + r * length + e0, n), n, block, bits, stochastic,
+                                                           seed, static_cast<uint64_t>(r * length + e0), &scale,
+                                                           data + e0 * bits / 8);
+      }
       store_scale(row, k, scale);
       if (k == nb - 1 && padded > used) std::memset(data + used, 0, padded - used);
       if (++k == nb) {
@@ -341,11 +367,29 @@ inline void accumulate_row_range(const uint8_t* row, int64_t length, int bits, i
   }
 }
 
+// y[0..n) = decoded fp32 elements [e0, e0+n) of one block (e0 is a block start: even).
+inline void decode_block(const uint8_t* data, int64_t e0, int64_t n, int bits, float s, float* y) {
+  if (bits == 8) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(data) + e0;
+    for (int64_t i = 0; i < n; ++i) y[i] = f32_mul(static_cast<float>(q[i]), s);
+    return;
+  }
+  const uint8_t* q = data + e0 / 2;
+  const int64_t pairs = n / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    y[2 * p] = f32_mul(static_cast<float>(unpack_int4_lo(q[p])), s);
+    y[2 * p + 1] = f32_mul(static_cast<float>(unpack_int4_hi(q[p])), s);
+  }
+  if (n % 2) y[n - 1] = f32_mul(static_cast<float>(unpack_int4_lo(q[pairs])), s);
+}
+
 template <typename T>
-void dequantize_rows_kernel(const uint8_t* packed, T* out, int64_t rows, int64_t length, int bits, int64_t block) {
+void dequantize_rows_kernel(const uint8_t* packed, T* out, int64_t rows, int64_t length, int bits, int64_t block,
+                            int log2h) {
   const int64_t nb = num_blocks(length, block);
   const int64_t rb = row_bytes(length, bits, block);
   at::parallel_for(0, rows * nb, grain_blocks(block), [&](int64_t b0, int64_t b1) {
+    std::vector<float> rot;  // Hadamard smoothing only: the decoded block, rotated back in fp32
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t r = b / nb, k = b % nb;
       const uint8_t* row = packed + r * rb;
@@ -354,6 +398,13 @@ void dequantize_rows_kernel(const uint8_t* packed, T* out, int64_t rows, int64_t
       const int64_t e0 = k * block;
       const int64_t n = std::min(block, length - e0);
       T* y = out + r * length + e0;
+      if (log2h) {
+        rot.resize(n);
+        decode_block(data, e0, n, bits, s, rot.data());
+        hadamard_range(rot.data(), n, log2h);
+        for (int64_t i = 0; i < n; ++i) y[i] = from_f32<T>(rot[i]);
+        continue;
+      }
 #if ZPP_CPU_ISA_F16C
       if constexpr (std::is_same_v<T, c10::Half>) {
         decode_to_half(data, e0, n, bits, s, y);
@@ -377,7 +428,8 @@ void dequantize_rows_kernel(const uint8_t* packed, T* out, int64_t rows, int64_t
 }
 
 // Sum over the C chunks of packed_in [C, K, rb] for output blocks of
-// `block_out` elements, handing each fp32 block to `emit(k, j, e0, n, acc)`.
+// `block_out` elements, handing each fp32 block to `emit(k, j, e0, n, acc)`
+// (acc is the task's buffer: emit may transform it in place).
 template <typename Emit>
 void reduce_chunks(const uint8_t* base, int64_t chunks, int64_t rows, int64_t rb, int64_t length, int bits_in,
                    int64_t block_in, int64_t block_out, Emit emit) {
@@ -407,38 +459,45 @@ void dispatch_dtype(CpuDtype dtype, Fn fn) {
 
 // ---------------------------------------------------- entry points ----------
 void quantize_rows(const void* x, CpuDtype dtype, uint8_t* packed, int64_t rows, int64_t length, int bits,
-                   int64_t block, bool stochastic, uint64_t seed, const RowReorder* reorder) {
+                   int64_t block, bool stochastic, uint64_t seed, int log2h, const RowReorder* reorder) {
   dispatch_dtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* xt = static_cast<const T*>(x);
     if (reorder) {
       const RowReorder ro = *reorder;
-      quantize_rows_kernel(xt, packed, rows, length, bits, block, stochastic, seed, [ro](int64_t r) {
+      quantize_rows_kernel(xt, packed, rows, length, bits, block, stochastic, seed, log2h, [ro](int64_t r) {
         return reorder_slot_of_input_row(r, ro.stages, ro.node_size, ro.nodes);
       });
     } else {
-      quantize_rows_kernel(xt, packed, rows, length, bits, block, stochastic, seed, [](int64_t r) { return r; });
+      quantize_rows_kernel(xt, packed, rows, length, bits, block, stochastic, seed, log2h,
+                           [](int64_t r) { return r; });
     }
   });
 }
 
 void dequantize_rows(const uint8_t* packed, void* out, CpuDtype dtype, int64_t rows, int64_t length, int bits,
-                     int64_t block) {
+                     int64_t block, int log2h) {
   dispatch_dtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    dequantize_rows_kernel(packed, static_cast<T*>(out), rows, length, bits, block);
+    dequantize_rows_kernel(packed, static_cast<T*>(out), rows, length, bits, block, log2h);
   });
 }
 
 void dequant_reduce_quantize(const uint8_t* packed_in, uint8_t* packed_out, int64_t chunks, int64_t rows,
                              int64_t row_numel, int bits_in, int64_t block_in, int bits_out, int64_t block_out,
-                             bool stochastic, uint64_t seed) {
+                             bool stochastic, uint64_t seed, int log2h_in, int log2h_out) {
   const int64_t rb_in = row_bytes(row_numel, bits_in, block_in);
   const int64_t nb_out = num_blocks(row_numel, block_out);
   const int64_t rb_out = row_bytes(row_numel, bits_out, block_out);
   const int64_t used = ceil_div(row_numel * bits_out, 8), padded = data_bytes(row_numel, bits_out);
   reduce_chunks(packed_in, chunks, rows, rb_in, row_numel, bits_in, block_in, block_out,
-                [&](int64_t k, int64_t j, int64_t e0, int64_t n, const float* acc) {
+                [&](int64_t k, int64_t j, int64_t e0, int64_t n, float* acc) {
+                  // Rotated in and out alike: the sum stays in the rotated domain (the transform is
+                  // linear and its own inverse), so neither is applied.
+                  if (log2h_in != log2h_out) {
+                    if (log2h_in) hadamard_range(acc, n, log2h_in);
+                    if (log2h_out) hadamard_range(acc, n, log2h_out);
+                  }
                   uint8_t* row = packed_out + k * rb_out;
                   uint8_t* data = row + 4 * nb_out;
                   float scale;
@@ -450,13 +509,15 @@ void dequant_reduce_quantize(const uint8_t* packed_in, uint8_t* packed_out, int6
 }
 
 void dequant_reduce(const uint8_t* packed_in, void* out, CpuDtype dtype, int64_t chunks, int64_t rows,
-                    int64_t length, int bits, int64_t block, float divisor) {
+                    int64_t length, int bits, int64_t block, float divisor, int log2h) {
   const int64_t rb = row_bytes(length, bits, block);
   dispatch_dtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     T* y = static_cast<T*>(out);
     reduce_chunks(packed_in, chunks, rows, rb, length, bits, block, block,
-                  [&](int64_t k, int64_t, int64_t e0, int64_t n, const float* acc) {
+                  [&](int64_t k, int64_t, int64_t e0, int64_t n, float* acc) {
+                    // Rows rotated on the way in: the fp32 sum is rotated back once (linearity).
+                    if (log2h) hadamard_range(acc, n, log2h);
                     T* dst = y + k * length + e0;
 #if ZPP_CPU_ISA_F16C
                     if constexpr (std::is_same_v<T, c10::Half>) {

@@ -24,60 +24,117 @@ void check_aligned(const at::Tensor& packed, const char* name) {
               " must start on a 4-byte boundary");
 }
 
-void quantize_rows_cuda(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t block, bool stochastic,
-                        int64_t seed) {
-  const int64_t length = check_quantize_rows(x, packed, bits, block);
-  check_aligned(packed, "packed");
-  const int64_t rows = packed.size(0);
-  const c10::cuda::CUDAGuard guard(x.device());
-  cuda::launch_quantize_rows(x.data_ptr(), float_type(x), packed.data_ptr<uint8_t>(), rows, length,
-                             static_cast<int>(bits), block, stochastic, static_cast<uint64_t>(seed), false, 1, 1, 1,
-                             at::cuda::getCurrentCUDAStream());
+// Hadamard smoothing (hadamard != 0) composes the kernels below with launch_hadamard_runs through fp32
+// temporaries from the caching allocator, on the current stream: the same operations in the same order
+// as the CPU kernels and the reference (blockwise.md), so the same bits, without a fused kernel yet.
+at::Tensor fp32_work(const at::Tensor& like, int64_t numel) {
+  return at::empty({numel}, like.options().dtype(at::kFloat));
+}
+
+void rotate(at::Tensor& v, int64_t rows, int64_t length, int log2h) {
+  cuda::launch_hadamard_runs(v.data_ptr<float>(), rows, length, log2h, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void reorder_quantize_cuda(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t block, int64_t nodes,
-                           int64_t node_size, int64_t stages, bool stochastic, int64_t seed) {
-  const int64_t length = check_reorder_quantize(x, packed, bits, block, nodes, node_size, stages);
+void quantize_any(const at::Tensor& x, const at::Tensor& packed, int64_t length, int64_t bits, int64_t block,
+                  bool stochastic, int64_t seed, int log2h, bool reorder, int64_t nodes, int64_t node_size,
+                  int64_t stages) {
   check_aligned(packed, "packed");
   const int64_t rows = packed.size(0);
   const c10::cuda::CUDAGuard guard(x.device());
-  cuda::launch_quantize_rows(x.data_ptr(), float_type(x), packed.data_ptr<uint8_t>(), rows, length,
-                             static_cast<int>(bits), block, stochastic, static_cast<uint64_t>(seed), true, nodes,
+  at::Tensor src = x;
+  if (log2h) {
+    src = fp32_work(x, x.numel());
+    src.copy_(x.view(-1));  // exact widening
+    rotate(src, rows, length, log2h);
+  }
+  cuda::launch_quantize_rows(src.data_ptr(), float_type(src), packed.data_ptr<uint8_t>(), rows, length,
+                             static_cast<int>(bits), block, stochastic, static_cast<uint64_t>(seed), reorder, nodes,
                              node_size, stages, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void dequantize_rows_cuda(const at::Tensor& packed, const at::Tensor& out, int64_t bits, int64_t block) {
+void quantize_rows_cuda(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t block, bool stochastic,
+                        int64_t seed, int64_t hadamard) {
+  const int64_t length = check_quantize_rows(x, packed, bits, block);
+  quantize_any(x, packed, length, bits, block, stochastic, seed, check_hadamard(hadamard, block), false, 1, 1, 1);
+}
+
+void reorder_quantize_cuda(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t block, int64_t nodes,
+                           int64_t node_size, int64_t stages, bool stochastic, int64_t seed, int64_t hadamard) {
+  const int64_t length = check_reorder_quantize(x, packed, bits, block, nodes, node_size, stages);
+  quantize_any(x, packed, length, bits, block, stochastic, seed, check_hadamard(hadamard, block), true, nodes,
+               node_size, stages);
+}
+
+void dequantize_rows_cuda(const at::Tensor& packed, const at::Tensor& out, int64_t bits, int64_t block,
+                          int64_t hadamard) {
   const int64_t length = check_dequantize_rows(packed, out, bits, block);
+  const int log2h = check_hadamard(hadamard, block);
   check_aligned(packed, "packed");
   const int64_t rows = packed.size(0);
   const c10::cuda::CUDAGuard guard(out.device());
-  cuda::launch_dequantize_rows(packed.data_ptr<uint8_t>(), out.data_ptr(), float_type(out), rows, length,
+  at::Tensor dst = log2h ? fp32_work(out, out.numel()) : out;
+  cuda::launch_dequantize_rows(packed.data_ptr<uint8_t>(), dst.data_ptr(), float_type(dst), rows, length,
                                static_cast<int>(bits), block, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (log2h) {
+    rotate(dst, rows, length, log2h);
+    out.view(-1).copy_(dst);  // round to nearest even, as the kernels narrow
+  }
+}
+
+// The fp32 sum over the chunks of packed_in [C, K, row] (dequant_reduce with divisor 1: x / 1 is exact).
+at::Tensor reduce_fp32(const at::Tensor& packed_in, int64_t length, int64_t bits, int64_t block) {
+  at::Tensor acc = fp32_work(packed_in, packed_in.size(1) * length);
+  cuda::launch_dequant_reduce(packed_in.data_ptr<uint8_t>(), acc.data_ptr(), cuda::FloatType::kFloat32,
+                              packed_in.size(0), packed_in.size(1), length, static_cast<int>(bits), block, 1.0f,
+                              at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return acc;
 }
 
 void dequant_reduce_quantize_cuda(const at::Tensor& packed_in, const at::Tensor& packed_out, int64_t row_numel,
                                   int64_t bits_in, int64_t block_in, int64_t bits_out, int64_t block_out,
-                                  bool stochastic, int64_t seed) {
+                                  bool stochastic, int64_t seed, int64_t hadamard_in, int64_t hadamard_out) {
   check_dequant_reduce_quantize(packed_in, packed_out, row_numel, bits_in, block_in, bits_out, block_out);
+  const int log2h_in = check_hadamard_in_out(hadamard_in, block_in, block_out, "hadamard_in");
+  const int log2h_out = check_hadamard(hadamard_out, block_out, "hadamard_out");
   check_aligned(packed_in, "packed_in");
   check_aligned(packed_out, "packed_out");
   const c10::cuda::CUDAGuard guard(packed_in.device());
+  const int64_t rows = packed_in.size(1);
+  if (log2h_in != log2h_out) {  // equal: the sum stays in the rotated domain, as on CPU
+    at::Tensor acc = reduce_fp32(packed_in, row_numel, bits_in, block_in);
+    if (log2h_in) rotate(acc, rows, row_numel, log2h_in);
+    if (log2h_out) rotate(acc, rows, row_numel, log2h_out);
+    cuda::launch_quantize_rows(acc.data_ptr(), cuda::FloatType::kFloat32, packed_out.data_ptr<uint8_t>(), rows,
+                               row_numel, static_cast<int>(bits_out), block_out, stochastic,
+                               static_cast<uint64_t>(seed), false, 1, 1, 1, at::cuda::getCurrentCUDAStream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
   cuda::launch_dequant_reduce_quantize(packed_in.data_ptr<uint8_t>(), packed_out.data_ptr<uint8_t>(),
-                                       packed_in.size(0), packed_in.size(1), row_numel, static_cast<int>(bits_in),
+                                       packed_in.size(0), rows, row_numel, static_cast<int>(bits_in),
                                        block_in, static_cast<int>(bits_out), block_out, stochastic,
                                        static_cast<uint64_t>(seed), at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void dequant_reduce_cuda(const at::Tensor& packed_in, const at::Tensor& out, int64_t bits, int64_t block,
-                         double divisor) {
+                         double divisor, int64_t hadamard) {
   const int64_t length = check_dequant_reduce(packed_in, out, bits, block, divisor);
+  const int log2h = check_hadamard(hadamard, block);
   check_aligned(packed_in, "packed_in");
   const int64_t rows = packed_in.size(1);
   const c10::cuda::CUDAGuard guard(out.device());
+  if (log2h) {
+    at::Tensor acc = reduce_fp32(packed_in, length, bits, block);
+    rotate(acc, rows, length, log2h);
+    // Tensor / tensor: an IEEE division per element (a Python-number divisor would multiply by its reciprocal).
+    out.view(-1).copy_(acc.div(at::full_like(acc, static_cast<float>(divisor))));
+    return;
+  }
   cuda::launch_dequant_reduce(packed_in.data_ptr<uint8_t>(), out.data_ptr(), float_type(out), packed_in.size(0), rows,
                               length, static_cast<int>(bits), block, static_cast<float>(divisor),
                               at::cuda::getCurrentCUDAStream());

@@ -317,5 +317,23 @@ void launch_dequant_reduce(const uint8_t* packed_in, void* out, FloatType type, 
   });
 }
 
+// Hadamard smoothing, one thread per run of 2^log2h values (quant_math.h hadamard_run, in place in
+// global memory). Not fused into the quantize kernels yet: the binding composes it with them
+// (quant_cuda_binding.cpp), which costs one extra fp32 pass over the data.
+__global__ void hadamard_runs_kernel(float* __restrict__ v, int64_t rows, int64_t length, int log2h) {
+  const int64_t runs_per_row = length >> log2h;
+  const int64_t runs = rows * runs_per_row;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < runs; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / runs_per_row, j = i % runs_per_row;
+    hadamard_run(v + r * length + (j << log2h), log2h);
+  }
+}
+
+void launch_hadamard_runs(float* v, int64_t rows, int64_t length, int log2h, cudaStream_t stream) {
+  const int64_t runs = rows * (length >> log2h);
+  if (runs == 0) return;
+  hadamard_runs_kernel<<<grid_for(runs, kCtaThreads), kCtaThreads, 0, stream>>>(v, rows, length, log2h);
+}
+
 }  // namespace cuda
 }  // namespace zpp

@@ -153,13 +153,13 @@ def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, topology: To
         payload = scratch.take(rb)
         gathered = scratch.take(size * rb)
         codec_ops.quantize_rows_(input.view(-1), payload.view(1, rb), fmt.bits, fmt.block, fmt.stochastic,
-                           fmt.seed(topology.rank, f"{tag}/qwz"))
+                                 fmt.seed(topology.rank, f"{tag}/qwz"), fmt.hadamard)
         work = flat.all_gather(gathered, payload)
 
         def finish() -> None:
             wait(work)
             rows = gathered.view(size, rb)
-            codec_ops.dequantize_rows_(rows, output.view(-1), fmt.bits, fmt.block)
+            codec_ops.dequantize_rows_(rows, output.view(-1), fmt.bits, fmt.block, fmt.hadamard)
             if hpz_shard is not None:
                 hpz_shard._fill_from(rows)
             scratch.release()
@@ -213,7 +213,7 @@ def hpz_all_gather(output: torch.Tensor, hpz_shard: HpzShard, topology: Topology
             wait(work)
             if fmt.compressed:
                 codec_ops.dequantize_rows_(gathered.view(size, hpz_shard.row_bytes), output.view(-1),
-                                     fmt.bits, fmt.block)
+                                           fmt.bits, fmt.block, fmt.hadamard)
             scratch.release()
         return [], finish
 
@@ -310,13 +310,13 @@ def weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, held
             difference = scratch.take(shard * 4).view(torch.float32)
             torch.sub(input.view(-1).float(), held.value.float(), out=difference)
         codec_ops.quantize_rows_(difference, payload.view(1, rb), fmt.bits, fmt.block, fmt.stochastic,
-                                 fmt.seed(me, f"{tag}/qwd"))
+                                 fmt.seed(me, f"{tag}/qwd"), fmt.hadamard)
         work = flat.all_gather(gathered, payload)
 
         def finish() -> None:
             wait(work)
             decoded = scratch.take(size * shard * 4).view(torch.float32).view(size, shard)
-            codec_ops.dequantize_rows_(gathered.view(size, rb), decoded, fmt.bits, fmt.block)
+            codec_ops.dequantize_rows_(gathered.view(size, rb), decoded, fmt.bits, fmt.block, fmt.hadamard)
             with comm_timers().codec():
                 rows = output.view(size, shard)
                 rows[me].copy_(held.value)  # the owner's base: what the replicas hold, not the new weights

@@ -60,7 +60,7 @@ class P2PCodec:
         if self.codec.stochastic:
             seed = next_site_seed(self._calls, self.codec.seed, site, rank)
         codec_ops.quantize_rows_(x.view(-1), payload, self.codec.bits, self.codec.block, self.codec.stochastic,
-                                 seed)
+                                 seed, self.codec.hadamard)
         return payload.view(-1)
 
     def empty_payload(self, like: torch.Tensor, nbytes: int | None = None) -> torch.Tensor:
@@ -71,7 +71,8 @@ class P2PCodec:
     def decode_into(self, payload: torch.Tensor, out: torch.Tensor) -> None:
         # .data: Megatron's receive buffers require grad; the decode is not part of the graph.
         if self.blockwise:
-            codec_ops.dequantize_rows_(payload.view(1, -1), out.data.view(-1), self.codec.bits, self.codec.block)
+            codec_ops.dequantize_rows_(payload.view(1, -1), out.data.view(-1), self.codec.bits, self.codec.block,
+                                       self.codec.hadamard)
             return
         packed = Packed(payload=payload, shape=out.shape, dtype=out.dtype)
         with comm_timers().codec():

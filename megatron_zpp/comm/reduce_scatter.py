@@ -86,6 +86,11 @@ def qgz_reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topo
     if inter_fmt.compressed and inter_fmt.generic != intra_fmt.generic:
         raise ValueError(f"{what}: codec={inter_fmt.spec!r} and intra_codec={intra_fmt.spec!r} must both be "
                          "blockwise (int8/int4, fused kernels) or both not (ZFP, lossless: any_codec.py)")
+    if (inter_fmt.blockwise and intra_fmt.hadamard and topology.node_size > 1 and topology.num_nodes > 1
+            and inter_fmt.block % intra_fmt.hadamard):
+        raise ValueError(f"{what}: intra_codec={intra_fmt.spec!r} rotates runs of {intra_fmt.hadamard}, which must "
+                         f"divide codec={inter_fmt.spec!r}'s block {inter_fmt.block}: the node's sums are rotated "
+                         "back one inter-node block at a time")
     if inter_fmt.compressed:
         check_float("input", input, what)
     if residual is not None:
@@ -179,11 +184,13 @@ def _compressed(output, input, topology: Topology, intra_fmt: WireFormat, inter_
     send1 = scratch.take(stages * size * rb1)
     recv1 = scratch.take(stages * size * rb1)
     codec_ops.reorder_quantize_(x, send1.view(stages * size, rb1), first_fmt.bits, first_fmt.block, nodes,
-                          node_size, stages, first_fmt.stochastic, first_fmt.seed(topology.rank, site + ".hop1"))
+                          node_size, stages, first_fmt.stochastic, first_fmt.seed(topology.rank, site + ".hop1"),
+                          first_fmt.hadamard)
     if residual is not None:
         # What hop 1 really sends, decoded: rows are [stage, local, node, slice] (the reorder above).
         sent = scratch.take(stages * size * slice_len * 4).view(torch.float32)
-        codec_ops.dequantize_rows_(send1.view(stages * size, rb1), sent, first_fmt.bits, first_fmt.block)
+        codec_ops.dequantize_rows_(send1.view(stages * size, rb1), sent, first_fmt.bits, first_fmt.block,
+                                   first_fmt.hadamard)
         with comm_timers().codec():
             length = input.numel() // size
             sent = sent.view(stages, node_size, nodes, slice_len).permute(2, 1, 0, 3).reshape(size, -1)[:, :length]
@@ -211,7 +218,8 @@ def _compressed(output, input, topology: Topology, intra_fmt: WireFormat, inter_
             wait(hop1[s])
             codec_ops.dequant_reduce_quantize_(recv1_s[s].view(node_size, nodes, rb1), send2_s[s], slice_len,
                                          intra_fmt.bits, intra_fmt.block, inter_fmt.bits, inter_fmt.block,
-                                         inter_fmt.stochastic, inter_fmt.seed(topology.rank, site + ".hop2"))
+                                         inter_fmt.stochastic, inter_fmt.seed(topology.rank, site + ".hop2"),
+                                         intra_fmt.hadamard, inter_fmt.hadamard)
             hop2.append(groups.inter.all_to_all(recv2_s[s], send2_s[s]))
 
     def finish() -> None:
@@ -228,7 +236,7 @@ def _dequant_reduce_stages(hops, received, sources: int, row_bytes: int, fmt: Wi
     for s, work in enumerate(hops):
         wait(work)
         codec_ops.dequant_reduce_(received[s].view(sources, 1, row_bytes), out[s * slice_len:(s + 1) * slice_len],
-                            fmt.bits, fmt.block, divisor)
+                            fmt.bits, fmt.block, divisor, fmt.hadamard)
 
 
 def _finish_output(output, out, copy_back: bool) -> None:

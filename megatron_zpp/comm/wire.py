@@ -35,6 +35,7 @@ class WireFormat:
     block: int
     stochastic: bool
     generic: bool = False
+    hadamard: int = 0  # blockwise: the Walsh-Hadamard run length (0: off), passed to every op
     calls: dict = field(default_factory=dict, compare=False, repr=False)  # call site -> calls so far
 
     @property
@@ -115,7 +116,7 @@ def wire_format(topology: Topology, codec: str | Codec | None, what: str) -> Wir
     if isinstance(c, IdentityCodec):
         fmt = WireFormat(c, None, 0, False)
     elif isinstance(c, BlockwiseQuantCodec):
-        fmt = WireFormat(c, c.bits, c.block, c.stochastic)
+        fmt = WireFormat(c, c.bits, c.block, c.stochastic, hadamard=c.hadamard)
     else:
         from megatron_zpp.compression.container import ContainerCodec
 

@@ -26,10 +26,16 @@ class Int8Config:
     """``nearest``: round half to even. ``stochastic``: unbiased floor(v + u), u ~ U[0, 1)."""
     seed: int = 0
     """Base seed of stochastic rounding; each encode call advances a counter mixed into it."""
+    hadamard: int = 0
+    """Walsh-Hadamard smoothing (SDP4Bit): 0 (off) or a run length, a power of two dividing ``block``. Each
+    run of that many values is rotated (normalized, its own inverse) before quantizing and rotated back
+    after decoding, spreading outliers over the run; it lowers the error on heavy-tailed data (INT4/128 on a
+    Student-t: 0.24 -> 0.12 relative L2) and leaves Gaussian data as it is. Same wire bytes."""
 
     def __post_init__(self) -> None:
         if not (8 <= self.block <= MAX_BLOCK and self.block % 8 == 0):
             raise ValueError(f"block={self.block} is not valid; valid: a multiple of 8 in [8, {MAX_BLOCK}]")
+        layout.check_hadamard(self.hadamard, self.block)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +56,7 @@ class BlockwiseQuantCodec(Codec):
         self.block = config.block
         self.stochastic = config.rounding == "stochastic"
         self.seed = config.seed
+        self.hadamard = config.hadamard
         self.spec = spec
         self._calls = 0
 
@@ -65,7 +72,8 @@ class BlockwiseQuantCodec(Codec):
 
     def encode(self, x: torch.Tensor) -> Packed:
         seed = self.next_seed() if self.stochastic else 0
-        packed = ops.quantize(x.contiguous(), self.bits, self.block, stochastic=self.stochastic, seed=seed)
+        packed = ops.quantize(x.contiguous(), self.bits, self.block, stochastic=self.stochastic, seed=seed,
+                              hadamard=self.hadamard)
         return Packed(payload=packed.view(-1), shape=x.shape, dtype=x.dtype)
 
     def decode(self, packed: Packed) -> torch.Tensor:
@@ -73,4 +81,5 @@ class BlockwiseQuantCodec(Codec):
         if packed.payload.dtype != torch.uint8 or packed.payload.numel() != expected:
             raise ValueError(f"{self.spec}: payload has {packed.payload.numel()} {packed.payload.dtype} "
                              f"elements; {packed.numel} values need {expected} uint8 bytes")
-        return ops.dequantize(packed.payload.view(1, -1), packed.shape, packed.dtype, self.bits, self.block)
+        return ops.dequantize(packed.payload.view(1, -1), packed.shape, packed.dtype, self.bits, self.block,
+                              hadamard=self.hadamard)

@@ -149,19 +149,21 @@ def _check_row_bytes(name: str, packed: torch.Tensor, length: int, bits: int, bl
                          f"bits={bits}, block={block} need {expected}")
 
 
-def quantize_rows_(x, packed, bits, block, stochastic=False, seed=0, *, backend="auto") -> None:
+def quantize_rows_(x, packed, bits, block, stochastic=False, seed=0, hadamard=0, *, backend="auto") -> None:
     _check_float("x", x)
     layout.check_bits_block(bits, block)
+    layout.check_hadamard(hadamard, block)
     _check_packed("packed", packed, 2, x.device)
     length = _rows_length(x.numel(), packed.shape[0], "quantize_rows_")
     _check_row_bytes("packed", packed, length, bits, block)
-    _impl("quantize_rows_", x.device, backend)(x, packed, bits, block, stochastic, _seed64(seed))
+    _impl("quantize_rows_", x.device, backend)(x, packed, bits, block, stochastic, _seed64(seed), hadamard)
 
 
-def reorder_quantize_(x, packed, bits, block, nodes, node_size, stages=1, stochastic=False, seed=0,
+def reorder_quantize_(x, packed, bits, block, nodes, node_size, stages=1, stochastic=False, seed=0, hadamard=0,
                       *, backend="auto") -> None:
     _check_float("x", x)
     layout.check_bits_block(bits, block)
+    layout.check_hadamard(hadamard, block)
     _check_packed("packed", packed, 2, x.device)
     for what, v in (("nodes", nodes), ("node_size", node_size), ("stages", stages)):
         if v < 1:
@@ -172,22 +174,28 @@ def reorder_quantize_(x, packed, bits, block, nodes, node_size, stages=1, stocha
     length = _rows_length(x.numel(), num_rows, "reorder_quantize_")
     _check_row_bytes("packed", packed, length, bits, block)
     _impl("reorder_quantize_", x.device, backend)(
-        x, packed, bits, block, nodes, node_size, stages, stochastic, _seed64(seed))
+        x, packed, bits, block, nodes, node_size, stages, stochastic, _seed64(seed), hadamard)
 
 
-def dequantize_rows_(packed, out, bits, block, *, backend="auto") -> None:
+def dequantize_rows_(packed, out, bits, block, hadamard=0, *, backend="auto") -> None:
     _check_float("out", out)
     layout.check_bits_block(bits, block)
+    layout.check_hadamard(hadamard, block)
     _check_packed("packed", packed, 2, out.device)
     length = _rows_length(out.numel(), packed.shape[0], "dequantize_rows_")
     _check_row_bytes("packed", packed, length, bits, block)
-    _impl("dequantize_rows_", out.device, backend)(packed, out, bits, block)
+    _impl("dequantize_rows_", out.device, backend)(packed, out, bits, block, hadamard)
 
 
 def dequant_reduce_quantize_(packed_in, packed_out, row_numel, bits_in, block_in, bits_out, block_out,
-                             stochastic=False, seed=0, *, backend="auto") -> None:
+                             stochastic=False, seed=0, hadamard_in=0, hadamard_out=0, *, backend="auto") -> None:
     layout.check_bits_block(bits_in, block_in)
     layout.check_bits_block(bits_out, block_out)
+    layout.check_hadamard(hadamard_in, block_in)
+    if hadamard_in and block_out % hadamard_in:
+        raise ValueError(f"hadamard_in={hadamard_in} must also divide block_out={block_out}: the kernels rotate the "
+                         "sum one output block at a time")
+    layout.check_hadamard(hadamard_out, block_out)
     _check_packed("packed_in", packed_in, 3, packed_in.device)
     _check_packed("packed_out", packed_out, 2, packed_in.device)
     if packed_out.shape[0] != packed_in.shape[1]:
@@ -195,32 +203,34 @@ def dequant_reduce_quantize_(packed_in, packed_out, row_numel, bits_in, block_in
     _check_row_bytes("packed_in", packed_in, row_numel, bits_in, block_in)
     _check_row_bytes("packed_out", packed_out, row_numel, bits_out, block_out)
     _impl("dequant_reduce_quantize_", packed_in.device, backend)(
-        packed_in, packed_out, row_numel, bits_in, block_in, bits_out, block_out, stochastic, _seed64(seed))
+        packed_in, packed_out, row_numel, bits_in, block_in, bits_out, block_out, stochastic, _seed64(seed),
+        hadamard_in, hadamard_out)
 
 
-def dequant_reduce_(packed_in, out, bits, block, divisor=1.0, *, backend="auto") -> None:
+def dequant_reduce_(packed_in, out, bits, block, divisor=1.0, hadamard=0, *, backend="auto") -> None:
     _check_float("out", out)
     layout.check_bits_block(bits, block)
+    layout.check_hadamard(hadamard, block)
     _check_packed("packed_in", packed_in, 3, out.device)
     length = _rows_length(out.numel(), packed_in.shape[1], "dequant_reduce_")
     _check_row_bytes("packed_in", packed_in, length, bits, block)
     if not divisor > 0:
         raise ValueError(f"divisor={divisor} must be > 0")
-    _impl("dequant_reduce_", out.device, backend)(packed_in, out, bits, block, float(divisor))
+    _impl("dequant_reduce_", out.device, backend)(packed_in, out, bits, block, float(divisor), hadamard)
 
 
 # ------------------------------------------------- allocating helpers -------
 def quantize(x: torch.Tensor, bits: int, block: int, *, rows: int = 1, stochastic: bool = False,
-             seed: int = 0, backend: str = "auto") -> torch.Tensor:
+             seed: int = 0, hadamard: int = 0, backend: str = "auto") -> torch.Tensor:
     """Allocate and fill packed ``uint8[rows, row_bytes(numel / rows)]`` for ``x``."""
     length = _rows_length(x.numel(), rows, "quantize") if x.numel() else 0
     packed = torch.empty(rows, layout.row_bytes(length, bits, block), dtype=torch.uint8, device=x.device)
-    quantize_rows_(x.contiguous(), packed, bits, block, stochastic, seed, backend=backend)
+    quantize_rows_(x.contiguous(), packed, bits, block, stochastic, seed, hadamard, backend=backend)
     return packed
 
 
-def dequantize(packed: torch.Tensor, shape, dtype: torch.dtype, bits: int, block: int, *,
+def dequantize(packed: torch.Tensor, shape, dtype: torch.dtype, bits: int, block: int, *, hadamard: int = 0,
                backend: str = "auto") -> torch.Tensor:
     out = torch.empty(shape, dtype=dtype, device=packed.device)
-    dequantize_rows_(packed, out, bits, block, backend=backend)
+    dequantize_rows_(packed, out, bits, block, hadamard, backend=backend)
     return out

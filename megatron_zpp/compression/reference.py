@@ -143,26 +143,33 @@ def _dequantize_matrix(packed: torch.Tensor, length: int, bits: int, block: int)
 
 
 # ---------------------------------------------------- the op contracts ------
+def _rotated(x2: torch.Tensor, hadamard: int) -> torch.Tensor:
+    return hadamard_rows(x2, hadamard) if hadamard else x2
+
+
 def quantize_rows_(x: torch.Tensor, packed: torch.Tensor, bits: int, block: int,
-                   stochastic: bool = False, seed: int = 0) -> None:
-    """Quantize ``x`` (R*L elements) into ``packed`` (uint8 ``[R, row_bytes(L)]``)."""
+                   stochastic: bool = False, seed: int = 0, hadamard: int = 0) -> None:
+    """Quantize ``x`` (R*L elements) into ``packed`` (uint8 ``[R, row_bytes(L)]``); ``hadamard`` > 0 rotates
+    each row's fp32 values first (:func:`hadamard_rows`)."""
     layout.check_bits_block(bits, block)
+    layout.check_hadamard(hadamard, block)
     rows = packed.shape[0]
-    x2 = x.reshape(rows, -1).to(torch.float32)
+    x2 = _rotated(x.reshape(rows, -1).to(torch.float32), hadamard)
     packed.copy_(_quantize_matrix(x2, bits, block, stochastic, seed).view_as(packed))
 
 
 def reorder_quantize_(x: torch.Tensor, packed: torch.Tensor, bits: int, block: int,
                       nodes: int, node_size: int, stages: int,
-                      stochastic: bool = False, seed: int = 0) -> None:
+                      stochastic: bool = False, seed: int = 0, hadamard: int = 0) -> None:
     """Fused qgZ slice reorder + quantize: input row ``i`` lands in row ``reorder_slot_of_input_row(i)``.
 
     ``x`` has ``P = stages * nodes * node_size`` equal rows; the stochastic counter is
     the element's index in ``x`` (so the result equals quantize-then-permute).
     """
     layout.check_bits_block(bits, block)
+    layout.check_hadamard(hadamard, block)
     num_rows = stages * nodes * node_size
-    x2 = x.reshape(num_rows, -1).to(torch.float32)
+    x2 = _rotated(x.reshape(num_rows, -1).to(torch.float32), hadamard)
     q = _quantize_matrix(x2, bits, block, stochastic, seed)
     slots = torch.tensor([layout.reorder_slot_of_input_row(i, stages, node_size, nodes)
                           for i in range(num_rows)], device=x.device)
@@ -171,12 +178,14 @@ def reorder_quantize_(x: torch.Tensor, packed: torch.Tensor, bits: int, block: i
     packed.copy_(out.view_as(packed))
 
 
-def dequantize_rows_(packed: torch.Tensor, out: torch.Tensor, bits: int, block: int) -> None:
-    """Decode ``packed`` (``[R, row_bytes(L)]``) into ``out`` (R*L elements, any float dtype)."""
+def dequantize_rows_(packed: torch.Tensor, out: torch.Tensor, bits: int, block: int, hadamard: int = 0) -> None:
+    """Decode ``packed`` (``[R, row_bytes(L)]``) into ``out`` (R*L elements, any float dtype); ``hadamard`` > 0
+    rotates the fp32 decode back before the cast."""
     layout.check_bits_block(bits, block)
+    layout.check_hadamard(hadamard, block)
     rows = packed.shape[0]
     length = out.numel() // rows if rows else 0
-    y = _dequantize_matrix(packed.reshape(rows, -1), length, bits, block)
+    y = _rotated(_dequantize_matrix(packed.reshape(rows, -1), length, bits, block), hadamard)
     out.copy_(y.reshape(out.shape))
 
 
@@ -190,23 +199,34 @@ def _reduce_chunks(packed_in: torch.Tensor, length: int, bits: int, block: int) 
 
 def dequant_reduce_quantize_(packed_in: torch.Tensor, packed_out: torch.Tensor, row_numel: int,
                              bits_in: int, block_in: int, bits_out: int, block_out: int,
-                             stochastic: bool = False, seed: int = 0) -> None:
+                             stochastic: bool = False, seed: int = 0, hadamard_in: int = 0,
+                             hadamard_out: int = 0) -> None:
     """Sum ``packed_in`` (uint8 ``[C, K, row_bytes_in]``) over C in fp32, re-quantize into ``[K, row_bytes_out]``.
 
-    The stochastic counter is the output element index ``k * row_numel + e``.
+    The stochastic counter is the output element index ``k * row_numel + e``. ``hadamard_in`` > 0: the input rows
+    were rotated, the sum is rotated back; ``hadamard_out`` > 0: the sum is rotated before quantizing. Equal
+    (both on): the sum stays in the rotated domain, neither is applied (linearity; the transform is its own
+    inverse).
     """
     layout.check_bits_block(bits_in, block_in)
     layout.check_bits_block(bits_out, block_out)
+    layout.check_hadamard(hadamard_in, block_in)
+    layout.check_hadamard(hadamard_in, block_out)
+    layout.check_hadamard(hadamard_out, block_out)
     acc = _reduce_chunks(packed_in, row_numel, bits_in, block_in)
+    if hadamard_in != hadamard_out:
+        acc = _rotated(_rotated(acc, hadamard_in), hadamard_out)
     packed_out.copy_(_quantize_matrix(acc, bits_out, block_out, stochastic, seed).view_as(packed_out))
 
 
 def dequant_reduce_(packed_in: torch.Tensor, out: torch.Tensor, bits: int, block: int,
-                    divisor: float = 1.0) -> None:
-    """Sum ``packed_in`` (uint8 ``[C, K, row_bytes]``) over C in fp32, divide, write ``out`` (K*L, any float dtype)."""
+                    divisor: float = 1.0, hadamard: int = 0) -> None:
+    """Sum ``packed_in`` (uint8 ``[C, K, row_bytes]``) over C in fp32, divide, write ``out`` (K*L, any float dtype).
+    ``hadamard`` > 0: the rows were rotated; the sum is rotated back before the division."""
     layout.check_bits_block(bits, block)
+    layout.check_hadamard(hadamard, block)
     rows = packed_in.shape[1]
     length = out.numel() // rows if rows else 0
-    acc = _reduce_chunks(packed_in, length, bits, block)
+    acc = _rotated(_reduce_chunks(packed_in, length, bits, block), hadamard)
     # fp32(divisor) as a tensor: true division on every device (see the module docstring).
     out.copy_((acc / torch.full_like(acc, divisor)).reshape(out.shape))

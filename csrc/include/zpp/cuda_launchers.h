@@ -28,5 +28,9 @@ void launch_dequant_reduce_quantize(const uint8_t* packed_in, uint8_t* packed_ou
 void launch_dequant_reduce(const uint8_t* packed_in, void* out, FloatType type, int64_t chunks, int64_t rows,
                            int64_t length, int bits, int64_t block, float divisor, cudaStream_t stream);
 
+// Hadamard smoothing of fp32 rows in place: every full run of 2^log2h values from each row start
+// (quant_math.h hadamard_range).
+void launch_hadamard_runs(float* v, int64_t rows, int64_t length, int log2h, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace zpp

@@ -12,6 +12,27 @@ inline void check_bits_block(int64_t bits, int64_t block) {
   TORCH_CHECK(block > 0 && block % 8 == 0, "megatron_zpp: block=", block, " must be a positive multiple of 8");
 }
 
+// hadamard: 0 (off) or the Walsh-Hadamard run length, a power of two in [2, 4096] dividing the block
+// (layout.check_hadamard); returns log2(hadamard), 0 when off.
+inline int check_hadamard(int64_t hadamard, int64_t block, const char* name = "hadamard") {
+  if (hadamard == 0) return 0;
+  TORCH_CHECK(hadamard >= 2 && hadamard <= 4096 && (hadamard & (hadamard - 1)) == 0 && block % hadamard == 0,
+              "megatron_zpp: ", name, "=", hadamard, " is not valid with block=", block,
+              "; valid: 0 (off) or a power of two in [2, 4096] that divides the block");
+  int log2h = 0;
+  while ((int64_t(1) << log2h) < hadamard) ++log2h;
+  return log2h;
+}
+
+// dequant_reduce_quantize_'s input rotation: its runs must also tile the output blocks the sum is
+// computed in (the kernels rotate each output block's fp32 sum).
+inline int check_hadamard_in_out(int64_t hadamard, int64_t block_in, int64_t block_out, const char* name) {
+  const int log2h = check_hadamard(hadamard, block_in, name);
+  TORCH_CHECK(block_out % (hadamard ? hadamard : 1) == 0, "megatron_zpp: ", name, "=", hadamard,
+              " must also divide block_out=", block_out);
+  return log2h;
+}
+
 inline void check_float(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf,
               "megatron_zpp: ", name, " has dtype ", t.scalar_type(), "; valid: float32, bfloat16, float16");
