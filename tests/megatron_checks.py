@@ -191,7 +191,9 @@ POLICIES = {"none": ["--zpp-policy", "none"], "fair": ["--zpp-policy", "fair"], 
             "int8-param": ["--zpp-policy", "none", "--zpp-dp-param", "int8:block=256"],
             # qWD (issue 23): 4-bit weight differences, a full-precision resync at iteration 3
             "qwd": ["--zpp-policy", "zeropp", "--zpp-dp-param", "int4:block=2048", "--zpp-dp-param-difference",
-                    "--zpp-dp-param-resync-interval", "3"]}
+                    "--zpp-dp-param-resync-interval", "3"],
+            # the preset: qWD plus two-level gradients (INT8 inside the node, Hadamard-rotated INT4 across)
+            "sdp4bit": ["--zpp-policy", "sdp4bit", "--zpp-dp-param-resync-interval", "3"]}
 
 
 def replica_consistency(parallel: list[str], policies: list[str], iterations: int) -> dict:
@@ -228,11 +230,12 @@ class _CountedDifferenceGathers:
 
 
 def weight_difference_consistency(parallel: list[str], iterations: int) -> dict:
-    """:func:`replica_consistency` under ``qwd`` (bf16, Megatron alone in bf16 too), counting the hooks'
-    weight-difference gathers and their full-precision resyncs."""
+    """:func:`replica_consistency` under the ``sdp4bit`` preset (qWD and Hadamard-rotated two-level gradients;
+    bf16, Megatron alone in bf16 too), counting the hooks' weight-difference gathers and their full-precision
+    resyncs."""
     with _CountedDifferenceGathers() as counts:
-        out = replica_consistency(parallel + ["--bf16"], ["qwd"], iterations)
-    out["qwd"]["counts"] = counts
+        out = replica_consistency(parallel + ["--bf16"], ["sdp4bit"], iterations)
+    out["sdp4bit"]["counts"] = counts
     return out
 
 
@@ -251,8 +254,10 @@ def weight_difference_resume(directory: str) -> dict:
             "resumed_losses": loaded["losses"], "replica_check": loaded["replica_check"], "finite": loaded["finite"]}
 
 
-def optimizer_steps_from_its_own_weights(parallel: list[str], iterations: int, directory: str) -> dict:
-    """fp32 weights, distributed optimizer, zeropp (INT8 qwZ) with a checkpoint save midway: torch's AdamW step,
+def optimizer_steps_from_its_own_weights(parallel: list[str], iterations: int, directory: str,
+                                         policy: str = "zeropp") -> dict:
+    """fp32 weights, distributed optimizer, zeropp (INT8 qwZ; or sdp4bit's 4-bit weight differences) with a
+    checkpoint save midway: torch's AdamW step,
     spied through torch's global step hooks. Each step must start from exactly the weights the previous one
     produced (the optimizer's master copy), not from the decoded weights the gather wrote over them (without the
     fix, every step after the first does)."""
@@ -274,7 +279,7 @@ def optimizer_steps_from_its_own_weights(parallel: list[str], iterations: int, d
     # torch's global step hooks (not a patched step: torch wraps Optimizer.step with its own hook machinery)
     handles = [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
     try:
-        run = pretrain(SMALL + parallel + ["--zpp-policy", "zeropp", "--zpp-ranks-per-node", "2", "--eval-iters", "0",
+        run = pretrain(SMALL + parallel + ["--zpp-policy", policy, "--zpp-ranks-per-node", "2", "--eval-iters", "0",
                                            "--train-iters", str(iterations), "--save", directory,
                                            "--save-interval", "2", "--check-replica-weights"], log=_quiet)
     finally:
@@ -284,7 +289,7 @@ def optimizer_steps_from_its_own_weights(parallel: list[str], iterations: int, d
                   for k in range(1, len(snapshots))]
     # Resumed from the last checkpoint for 2 more iterations: replicas must agree from the first forward on
     # (the checkpoint's model tensor is DP rank 0's copy; the optimizer then loads each owner's exact shard).
-    resumed = pretrain(SMALL + parallel + ["--zpp-policy", "zeropp", "--zpp-ranks-per-node", "2", "--eval-iters", "0",
+    resumed = pretrain(SMALL + parallel + ["--zpp-policy", policy, "--zpp-ranks-per-node", "2", "--eval-iters", "0",
                                            "--train-iters", str(iterations + 2), "--load", directory,
                                            "--check-replica-weights"], log=_quiet)
     return {"steps": len(snapshots), "continuous": continuous, "finite": run["finite"],

@@ -164,7 +164,7 @@ IN_PROCESS_ROWS = [
      ValueError, r"zstd:level=1 payload is corrupt: checksum mismatch"),
     # --- policies: flags and YAML
     ("policy-unknown-preset", "--zpp-policy zeroplusplus", lambda t: _policy_from_flags(["--zpp-policy", "zeroplusplus"]),
-     ValueError, r"policy 'zeroplusplus' is neither a preset \(fair, hybrid, mzhybrid, none, zeropp, zhybrid\)"),
+     ValueError, r"policy 'zeroplusplus' is neither a preset \(fair, hybrid, mzhybrid, none, sdp4bit, zeropp, zhybrid\)"),
     ("policy-flag-bad-codec", "--zpp-dp-grad int3", lambda t: _policy_from_flags(["--zpp-dp-grad", "int3"]),
      ValueError, r"unknown codec 'int3'.*valid codecs"),
     ("policy-hpz-not-blockwise", "--zpp-policy zeropp --zpp-dp-param mpc",

@@ -35,8 +35,10 @@ def _config(argv: list[str], world: int = 2) -> argparse.Namespace:
 # (id, flags, world size, what the one line must say: the bad value and the valid choices)
 BAD_CONFIGS = [
     ("policy-name", ["--zpp-policy", "zerop"], 2,
-     ["'zerop'", "fair, hybrid, mzhybrid, none, zeropp, zhybrid"]),
+     ["'zerop'", "fair, hybrid, mzhybrid, none, sdp4bit, zeropp, zhybrid"]),
     ("codec-spec", ["--zpp-dp-grad", "int9"], 2, ["'int9'", "valid codecs: int4, int8"]),
+    ("hadamard-run", ["--zpp-dp-grad", "int4:block=128,hadamard=48"], 2,
+     ["hadamard=48", "valid: 0 (off) or a power of two in [2, 4096] that divides the block"]),
     ("world-size", ["--tensor-model-parallel-size", "3"], 2, ["world size 2", "tensor (3)"]),
     ("ranks-per-node", ["--zpp-ranks-per-node", "3"], 4, ["--zpp-ranks-per-node 3", "valid: 1, 2, 4"]),
     ("fsdp-ckpt-format", ["--use-megatron-fsdp", "--save", "/nonexistent/ckpt"], 2,

@@ -380,17 +380,18 @@ def test_replicas_compute_with_identical_weights_at_every_use(layout):
         assert by_policy["none"]["losses"] == by_policy["absent"]["losses"], (layout, by_policy)
 
 
-@pytest.mark.parametrize("layout", ["distopt", "distopt-overlap-both"])
-def test_fp32_optimizer_steps_from_its_own_weights_under_a_lossy_gather(layout, tmp_path):
+@pytest.mark.parametrize("layout,policy", [("distopt", "zeropp"), ("distopt-overlap-both", "zeropp"),
+                                           ("distopt-overlap-both", "sdp4bit")])
+def test_fp32_optimizer_steps_from_its_own_weights_under_a_lossy_gather(layout, policy, tmp_path):
     """fp32 weights on the distributed optimizer have no separate master copy: a lossy weight gather (zeropp's
-    INT8 qwZ) decodes over the optimizer's shard. Every optimizer step must still start from the weights the
-    previous step produced, through a checkpoint save (which writes those, not the decoded ones), with and
-    without overlapped gathers; replicas still compute with identical weights at every use, also in a run
-    resumed from that checkpoint."""
+    INT8 qwZ, sdp4bit's 4-bit weight differences) decodes over the optimizer's shard. Every optimizer step must
+    still start from the weights the previous step produced, through a checkpoint save (which writes those,
+    not the decoded ones), with and without overlapped gathers; replicas still compute with identical weights
+    at every use, also in a run resumed from that checkpoint."""
     r = run_distributed(checks.optimizer_steps_from_its_own_weights, 4, REPLICA_LAYOUTS[layout], 4,
-                        str(tmp_path / "ckpt"), ranks_per_node=2, timeout_s=600)
+                        str(tmp_path / "ckpt"), policy, ranks_per_node=2, timeout_s=600)
     for rank, x in enumerate(r):
-        print(f"\n{layout} rank {rank}: {x['steps']} steps, each from the previous one's weights: {x['continuous']}; "
+        print(f"\n{layout} {policy} rank {rank}: {x['steps']} steps, each from the previous one's weights: {x['continuous']}; "
               f"{x['replica_check']['uses_compared']} uses compared, {x['replica_check']['mismatches']} mismatches "
               f"{x['replica_check']['first_mismatches'][:2]}")
         assert x["finite"] and x["steps"] == 4 and all(x["continuous"]), x["continuous"]
@@ -407,16 +408,17 @@ def test_fp32_optimizer_steps_from_its_own_weights_under_a_lossy_gather(layout, 
       for layout in ("distopt", "distopt-overlap-grad", "tp2xdp2", "pp2xdp2-interleaved")),
 ])
 def test_weight_differences_keep_replicas_identical(layout):
-    """qWD on the distributed optimizer (4-bit weight differences, int4:block=2048, resync every 3 iterations):
-    every module's forward and backward sees the same weights on every replica at every use, training stays
-    finite and its loss close to Megatron's own; the gathers are weight differences, each bucket's first one
-    and the one at iteration 3 in full precision."""
+    """The sdp4bit preset on the distributed optimizer (qWD: 4-bit weight differences, int4:block=2048, resync
+    every 3 iterations; gradients INT8/512 inside the node, INT4/128 rotated in runs of 32 across): every
+    module's forward and backward sees the same weights on every replica at every use, training stays finite
+    and its loss close to Megatron's own; the gathers are weight differences, each bucket's first one and the
+    one at iteration 3 in full precision."""
     results = run_distributed(checks.weight_difference_consistency, 4, REPLICA_LAYOUTS[layout], 5,
                               ranks_per_node=2, timeout_s=600)
     for rank, by_policy in enumerate(results):
-        r, absent = by_policy["qwd"], by_policy["absent"]
+        r, absent = by_policy["sdp4bit"], by_policy["absent"]
         counts = r["counts"]
-        print(f"\n{layout} rank {rank} qwd: {r['uses_compared']} uses compared, {r['mismatches']} mismatches; "
+        print(f"\n{layout} rank {rank} sdp4bit: {r['uses_compared']} uses compared, {r['mismatches']} mismatches; "
               f"{counts['gathers']} gathers, {counts['resyncs']} in full precision; "
               f"losses {[round(x, 4) for x in r['losses']]} vs Megatron's {[round(x, 4) for x in absent['losses']]}")
         # Per bucket: 2 full-precision gathers (its first, and at iteration 3), and one gather per iteration (5),
@@ -445,13 +447,12 @@ def test_weight_differences_resync_after_a_checkpoint_load(tmp_path):
 @pytest.mark.parametrize("flags, says", [
     (["--use-megatron-fsdp", "--bf16"], "not yet with --use-megatron-fsdp"),
     (["--bf16"], "add --use-distributed-optimizer"),
-    (["--use-distributed-optimizer"], "needs --bf16 or --fp16"),
 ])
 def test_weight_differences_refuse_what_they_cannot_run_on(flags, says):
-    """qWD adds differences to the replicas' 16-bit copy of the distributed optimizer's weights: Megatron-FSDP
-    (frees them), plain DP (no sharded gather) and fp32 weights (the buffer is the optimizer's master copy) are
-    configuration errors naming the alternative, before anything is built; so are a resync interval without
-    qWD, and Megatron-LM's modes that reuse the buffer."""
+    """qWD adds differences to the replicas' copy of the distributed optimizer's weights: Megatron-FSDP (frees
+    them) and plain DP (no sharded gather) are configuration errors naming the alternative, before anything is
+    built; so are a resync interval without qWD, and Megatron-LM's modes that reuse the buffer. (fp32 weights
+    run: test_fp32_optimizer_steps_from_its_own_weights_under_a_lossy_gather.)"""
     from megatron_zpp.megatron import hooks_from_args
     from megatron_zpp.policy import ConfigError
     from megatron_zpp.training.arguments import build_parser

@@ -5,7 +5,7 @@ Format, rounding and NaN rules: ``blockwise.md`` beside this file.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -26,7 +26,7 @@ class Int8Config:
     """``nearest``: round half to even. ``stochastic``: unbiased floor(v + u), u ~ U[0, 1)."""
     seed: int = 0
     """Base seed of stochastic rounding; each encode call advances a counter mixed into it."""
-    hadamard: int = 0
+    hadamard: int = field(default=0, metadata={"spec_omit_default": True})
     """Walsh-Hadamard smoothing (SDP4Bit): 0 (off) or a run length, a power of two dividing ``block``. Each
     run of that many values is rotated (normalized, its own inverse) before quantizing and rotated back
     after decoding, spreading outliers over the run; it lowers the error on heavy-tailed data (INT4/128 on a

@@ -84,8 +84,11 @@ def parse_spec(spec: str) -> tuple[str, object]:
 
 
 def canonical_spec(name: str, config: object) -> str:
-    """``name:k=v,...`` listing every parameter, so equal codecs have equal specs."""
-    items = [f"{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config)]
+    """``name:k=v,...`` listing every parameter, so equal codecs have equal specs; a parameter added after specs
+    were first written down (``metadata={"spec_omit_default": True}``) is listed only when it is not its default,
+    so the specs of codecs without it stay the same strings (in logs, checkpoints, sweep results)."""
+    items = [f"{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config)
+             if not (f.metadata.get("spec_omit_default") and getattr(config, f.name) == f.default)]
     return f"{name}:{','.join(items)}" if items else name
 
 

@@ -47,8 +47,9 @@ def hooks_from_args(args) -> MegatronHooks:
 
 def check_weight_differences(args, policy_name: str) -> None:
     """Refuse qWD (``dp_param_difference``) where the weights it adds differences to are not the replicas' own
-    copy: it needs the distributed optimizer's gathered parameter buffer, holding 16-bit weights that the
-    optimizer writes from separate fp32 master weights."""
+    copy: it needs the distributed optimizer's gathered parameter buffer, which the optimizer writes from its
+    master weights (separate fp32 ones with --bf16/--fp16; with fp32 weights the owner's slice itself, kept
+    aside by the hooks while the replicas hold the decoded weights)."""
     def refuse(why: str) -> None:
         raise ConfigError(f"policy {policy_name!r}: --zpp-dp-param-difference (qWD) {why}")
 
@@ -57,10 +58,6 @@ def check_weight_differences(args, policy_name: str) -> None:
                "so no replica holds a copy to add differences to); use --use-distributed-optimizer")
     if not getattr(args, "use_distributed_optimizer", False):
         refuse("gathers the distributed optimizer's weights; add --use-distributed-optimizer")
-    if not (getattr(args, "bf16", False) or getattr(args, "fp16", False)):
-        refuse("needs --bf16 or --fp16: with fp32 weights the distributed optimizer has no separate master copy "
-               "(it updates the gathered buffer in place), so the gathered approximate weights would replace the "
-               "optimizer's own")
     if getattr(args, "use_precision_aware_optimizer", False) and getattr(args, "store_param_remainders", True):
         refuse("cannot run with --use-precision-aware-optimizer storing parameter remainders (Transformer "
                "Engine's FusedAdam rebuilds its master weights from the 16-bit weights, which qWD replaces)")

@@ -142,10 +142,10 @@ class DdpRouting:
                 hooks._record_torch(PARAM_TAG, "all_gather", group, input.numel() * input.element_size(), input.device)
                 return original_ag(output, input, group=group, async_op=async_op)
             if difference:
-                if output.dtype == torch.float32:  # hooks_from_args refuses fp32 weights; hooks built otherwise
-                    raise ValueError("qWD on fp32 weights: the distributed optimizer updates this buffer in place "
-                                     "as its master copy, which the gathered approximate weights would replace; "
-                                     "train with --bf16 or --fp16")
+                if output.dtype == torch.float32:
+                    # fp32: the owner's slice is the optimizer's master shard, which the decoded weights replace
+                    # at the gather: kept aside and put back before its next step, as for a lossy qwZ (below).
+                    hooks._keep_exact(output, input)
                 handle = weight_difference_all_gather(output, input, hooks._held_shard(output, input),
                                                       hooks.topology(group), codec=codec, async_op=async_op,
                                                       tag=PARAM_TAG)

@@ -93,7 +93,13 @@ def _codec(spec: str):
 
 
 def codec_name(spec: str) -> str:
-    return spec.split(":")[0]
+    """The key of a codec's measured throughput in a cluster spec: its family (``int8``, ``zfp``, ...), and
+    ``int4+hadamard`` / ``int8+hadamard`` for the rotated blockwise codecs (an extra fp32 pass per encode and
+    decode; ``ClusterSpec.codec`` falls back to the plain family where a cluster has not measured it)."""
+    family = spec.split(":")[0]
+    if family in ("int8", "int4") and getattr(_codec(spec), "hadamard", 0):
+        return f"{family}+hadamard"
+    return family
 
 
 def wire_bytes(spec: str, numel: int, dtype_bytes: int, cluster: ClusterSpec | None = None) -> int:

@@ -174,6 +174,9 @@ class ClusterSpec:
         return self.nodes * self.ranks_per_node
 
     def codec(self, name: str) -> CodecThroughput:
+        if name not in self.codec_throughput and name.endswith("+hadamard"):
+            # not measured on this cluster: the plain codec's kernels, which underestimates the rotation's cost
+            name = name.removesuffix("+hadamard")
         if name not in self.codec_throughput:
             raise ValueError(f"cluster {self.name!r} has no codec_throughput for {name!r}; measured: "
                              f"{', '.join(sorted(self.codec_throughput)) or '(none)'} (tools/bench_codecs.py)")
