@@ -46,6 +46,29 @@ def test_shipped_sweep_files_are_valid_and_expand():
         assert c.metric == {"name": "tokens_per_s", "goal": "maximize"}
 
 
+def test_sdp4bit_speed_sweep_expands():
+    points, skipped = sweep.SweepConfig.load(SWEEPS / "sdp4bit-speed.yaml").grid()
+    assert sorted({p.policy for p in points}) == ["fair", "sdp4bit", "zeropp"] and skipped == []
+    assert {p.rate for p in points} == {"25mbit", "100mbit", "unshaped"} and {p.iters for p in points} == {16}
+
+
+def test_sweep_median_takes_the_median_of_repeats_and_its_ratios(tmp_path):
+    import sweep_median
+
+    fields = ["path", "rate", "policy", "seconds_per_iteration", "inter_bytes_per_iteration",
+              "nic_payload_bytes_per_iteration", "final_loss"]
+    files = []
+    for k, (zeropp, sdp) in enumerate(((3.0, 2.0), (3.3, 2.4), (2.7, 1.0))):
+        path = tmp_path / f"results{k}.csv"
+        path.write_text(",".join(fields) + "\n" + f"distopt,25mbit,zeropp,{zeropp},6829000,6850000,3.8\n"
+                        + f"distopt,25mbit,sdp4bit,{sdp},3000000,3010000,3.81\n")
+        files.append(path)
+    rows = {(e["policy"]): e for e in sweep_median.table(sweep_median.load(files), ["zeropp"])}
+    assert rows["sdp4bit"]["ms_per_iteration"] == 2000.0 and rows["zeropp"]["ms_per_iteration"] == 3000.0
+    assert rows["sdp4bit"]["x_zeropp"] == 1.5 and rows["zeropp"]["x_zeropp"] == 1.0
+    assert rows["sdp4bit"]["spread"] == 0.7 and rows["sdp4bit"]["inter_MB_counted"] == 3.0
+
+
 @pytest.mark.parametrize("data, message", [
     (config(policy=["megatron"], rate=["1gbit"], lr=[1e-3]), "unknown parameter 'lr'; valid: policy, rate, path"),
     (config(policy=["megatron", "zerop"], rate=["1gbit"]), "policy 'zerop': valid: megatron, fair, qwz"),

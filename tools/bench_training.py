@@ -58,6 +58,9 @@ COMPONENTS = {
     "qwz": ["--zpp-policy", "fair", "--zpp-dp-param", "int8:block=256"],
     "hpz": ["--zpp-policy", "fair", "--zpp-hpz-size", "{ranks_per_node}"],
     "qgz": ["--zpp-policy", "fair", "--zpp-dp-grad", "int4:block=128"],
+    # SDP4Bit's halves on zeropp (issue 23): 4-bit weight differences alone, the two-level Hadamard gradients alone
+    "qwd": ["--zpp-policy", "zeropp", "--zpp-dp-param", "int4:block=2048", "--zpp-dp-param-difference"],
+    "sdp4bit-grads": ["--zpp-policy", "sdp4bit", "--zpp-dp-param", "int8:block=256", "--no-zpp-dp-param-difference"],
 }
 DEFAULT_RATES = "25mbit,50mbit,100mbit,250mbit,1gbit,unshaped"
 FIELDS = ["path", "rate", "rate_bits_per_s", "policy", "iterations", "seconds_per_iteration", "tokens_per_s",
