@@ -16,6 +16,8 @@ TORCH_LIBRARY(megatron_zpp, m) {
       "reorder_quantize_(Tensor x, Tensor(a!) packed, int bits, int block, int nodes, int node_size, "
       "int stages, bool stochastic, int seed, int hadamard=0) -> ()");
   m.def("dequantize_rows_(Tensor packed, Tensor(a!) out, int bits, int block, int hadamard=0) -> ()");
+  // out = cast(decoded + fp32(out)): qWD adds the decoded weight differences to the weights it holds.
+  m.def("dequantize_add_rows_(Tensor packed, Tensor(a!) out, int bits, int block, int hadamard=0) -> ()");
   m.def(
       "dequant_reduce_quantize_(Tensor packed_in, Tensor(a!) packed_out, int row_numel, int bits_in, "
       "int block_in, int bits_out, int block_out, bool stochastic, int seed, int hadamard_in=0, "

@@ -660,66 +660,154 @@ def _run_norms(v: torch.Tensor, h: int) -> torch.Tensor:
 
 
 def qgz_hadamard_bound(inputs: list[torch.Tensor], topo: Topology, dest: int, codec: str, intra: str | None,
-                       divisor: int, dtype: torch.dtype):
+                       divisor: int, dtype: torch.dtype, stages: int = 1):
     """The exact mean of ``dest``'s chunk and, per run of the inter-node codec's ``hadamard``, a bound on the L2
-    norm of qgZ's error on that run (one stage; the chunk a multiple of the run).
+    norm of qgZ's error on that run (the chunk split into ``stages`` slices, each a multiple of the run).
 
-    Hop 1 (intra, not rotated): each element within k1 * absmax / qmax. A node's partial sum P + E (E: the hop-1
+    Unrotated hop 1 (intra): each element within k1 * absmax / qmax. A node's partial sum P + E (E: the hop-1
     errors) is rotated and quantized: an element of H(P + E) is at most |HP| + ||E_run||_2 (each row of H/sqrt(h)
     has unit norm), so each rotated block's error is within k2 * that block's bound / qmax per element, and
-    sqrt(h) times that on a run in L2; rotating back keeps L2 norms."""
+    sqrt(h) times that on a run in L2; rotating back keeps L2 norms. Hop 1 rotated alike (the intra codec's
+    run equal to the inter one's): every error is in the rotated domain, bounded element by element, and the
+    L2 norm of that bound vector on a run bounds the error's."""
     size, n, nodes = topo.size, topo.node_size, topo.num_nodes
     length = inputs[0].numel() // size
+    slice_len = length // stages
+    assert slice_len * stages == length
     x = torch.stack([t.view(size, length)[dest].double() for t in inputs])
     exact = x.sum(0)
     bits2, block2, k2 = codec_params(codec)
     h = get_codec(codec).hadamard
-    assert h and length % h == 0 and (n == 1 or nodes == 1 or not get_codec(intra or codec).hadamard)
+    assert h and slice_len % h == 0
     bits1, block1, k1 = codec_params(intra or codec) if n > 1 else (bits2, block2, k2)
-    if n == 1 or nodes == 1:  # one hop: every rank's rows rotated by the first hop's own codec
-        first = intra or codec if n > 1 else codec
-        h1 = get_codec(first).hadamard
-        rotated = _rotate64(x, h1) if h1 else x
-        e = k1 * block_absmax(rotated, length, block1) / layout.qmax_for_bits(bits1)
-        err = _run_norms(e, h).sum(0) if h1 else _run_norms(e.sum(0), h)
+    h1 = get_codec(intra or codec).hadamard if n > 1 else h
+    assert h1 in (0, h)
+    q1, q2 = layout.qmax_for_bits(bits1), layout.qmax_for_bits(bits2)
+    if n == 1 or nodes == 1:  # one hop: every rank's rows rotated by the first hop's own codec (or not)
+        e = k1 * block_absmax(_rotate64(x, h1) if h1 else x, slice_len, block1) / q1
+        err = _run_norms(e.sum(0), h)
+    elif h1:  # both hops rotated: the node's sums stay in the rotated domain
+        rotated = _rotate64(x, h)
+        e1 = k1 * block_absmax(rotated, slice_len, block1) / q1
+        total = torch.zeros(length, dtype=torch.float64)
+        for m in range(nodes):
+            members = slice(m * n, (m + 1) * n)
+            hop1 = e1[members].sum(0)
+            peak = rotated[members].sum(0).abs() + hop1
+            total += hop1 + k2 * block_absmax(peak, slice_len, block2) / q2
+        err = _run_norms(total, h)
     else:
-        e1 = k1 * block_absmax(x, length, block1) / layout.qmax_for_bits(bits1)
+        e1 = k1 * block_absmax(x, slice_len, block1) / q1
         err = torch.zeros(length, dtype=torch.float64)
         for m in range(nodes):
             members = slice(m * n, (m + 1) * n)
             hop1 = _run_norms(e1[members].sum(0), h)  # ||E_run||_2
             peak = _rotate64(x[members].sum(0).unsqueeze(0), h)[0].abs() + hop1
-            block_peak = block_absmax(peak, length, block2)
-            err += hop1 + math.sqrt(h) * k2 * block_peak / layout.qmax_for_bits(bits2)
+            err += hop1 + math.sqrt(h) * k2 * block_absmax(peak, slice_len, block2) / q2
     err = err * (1 + FP32_SLOP) + FP32_SLOP * _run_norms(x.abs().sum(0), h)
     mean = exact / divisor
     return mean, err / divisor + OUT_EPS[dtype] * (_run_norms(mean, h) + err / divisor)
 
 
+# (name, inter codec, intra codec, stages): SDP4Bit's two levels, both hops rotated (the sums stay rotated
+# between them), pipelined stages; and plain INT4 to compare the error with.
+QGZ_HADAMARD_CONFIGS = (
+    ("int4+H", "int4:block=128,hadamard=32", "int8:block=512", 1),
+    ("int4", "int4:block=128", "int8:block=512", 1),
+    ("both rotated", "int4:block=128,hadamard=32", "int4:block=128,hadamard=32", 1),
+    ("int4+H stages=2", "int4:block=128,hadamard=32", "int8:block=512", 2),
+)
+
+
 def qgz_hadamard_worker(seed: int) -> dict:
-    """qgZ with the inter-node INT4 rotated (SDP4Bit's two levels: INT8/512 inside the node, INT4/128 with
-    Hadamard 32 across): the error of each run within the rotated bound; and its relative L2 error against
-    plain INT4/128 on the same heavy-tailed gradients."""
+    """qgZ with rotated INT4 hops: the error of each run within the rotated bound, for every configuration of
+    QGZ_HADAMARD_CONFIGS; and the relative L2 error of each on the same heavy-tailed gradients."""
     topo = Topology(None)
     size, rank = topo.size, topo.rank
-    out: dict = {"ratio": 0.0}
+    out: dict = {"ratio": {}}
     length = 1024
-    configs = {"int4+H": ("int4:block=128,hadamard=32", "int8:block=512"),
-               "int4": ("int4:block=128", "int8:block=512")}
     errors: dict[str, float] = {}
     for dtype in DTYPES:
         grads = [heavy_tailed(size * length, gen(seed, r)).to(dtype) for r in range(size)]
         exact = torch.stack([g.view(size, length)[rank].double() for g in grads]).sum(0) / size
-        for name, (codec, intra) in configs.items():
+        for name, codec, intra, stages in QGZ_HADAMARD_CONFIGS:
             got = torch.full((length,), float("nan"), dtype=dtype)
-            qgz_reduce_scatter(got, grads[rank], topo, codec=codec, intra_codec=intra, op="mean")
+            qgz_reduce_scatter(got, grads[rank], topo, codec=codec, intra_codec=intra, op="mean", stages=stages)
             errors[f"{name} {dtype}"] = float((got.double() - exact).norm() / exact.norm())
-            if "+H" in name:
-                mean, bound = qgz_hadamard_bound(grads, topo, rank, codec, intra, size, dtype)
+            if get_codec(codec).hadamard:
+                mean, bound = qgz_hadamard_bound(grads, topo, rank, codec, intra, size, dtype, stages)
                 run_error = _run_norms(got.double() - mean, 32)
                 bad = run_error > bound
-                assert not bad.any(), (f"qgZ {codec} intra={intra} {dtype}: {int(bad.sum())} elements' runs over "
-                                       f"the bound, worst {float((run_error / bound).max()):.3f}")
-                out["ratio"] = max(out["ratio"], float((run_error / bound).max()))
+                assert not bad.any(), (f"qgZ {codec} intra={intra} stages={stages} {dtype}: {int(bad.sum())} "
+                                       f"elements' runs over the bound, worst {float((run_error / bound).max()):.3f}")
+                out["ratio"][name] = max(out["ratio"].get(name, 0.0), float((run_error / bound).max()))
     out["errors"] = errors
     return out
+
+
+def hpz_weight_difference_worker(dtype_name: str, codec: str, shard: int, steps: int, resync_at: int,
+                                 hpz_size: int) -> dict:
+    """qWD on the hpZ secondary copy (ZeRO-3): per step an optimizer-like update of this rank's own shard (not
+    part of the gathered buffer, as in Megatron-FSDP), then three gathers (a forward's, a backward's and the next
+    micro-batch's). Per gather: whether every rank got the same bits, the worst error of every row against its
+    owner's new weights relative to the bound (one quantization step of the last difference plus the dtype's
+    rounding), and the bytes sent across nodes."""
+    dtype = getattr(torch, dtype_name)
+    from megatron_zpp.comm import hpz_weight_difference_all_gather
+
+    topo = Topology(None, hpz_partition_size=hpz_size)
+    size, rank = topo.size, topo.rank
+    bits, block, per_scale = codec_params(codec)
+    qmax = layout.qmax_for_bits(bits)
+    gens = [gen(31, r) for r in range(size)]
+    exact = [heavy_tailed(shard, gens[r]).float() * 0.05 for r in range(size)]  # every owner's, replayed here
+    secondary = HpzShard(topo, shard, dtype, "none")
+    held = HeldShard(shard, dtype)
+    holds = [None] * size  # what the replicas should hold of each shard (the owners' held shards, replayed)
+    out = []
+    for step in range(steps):
+        if step:
+            for r in range(size):
+                exact[r] += 1e-3 * torch.randn(shard, generator=gens[r])
+            secondary.invalidate()  # the weights changed (Megatron-FSDP's copy_main_weights_to_model_weights)
+        if step == resync_at:
+            held.invalidate()
+        mine = exact[rank].to(dtype)
+        targets = torch.stack([e.to(dtype) for e in exact]).float()
+        resync = not held.valid
+        bases = None if resync else torch.stack([h.float() for h in holds])
+        for use in range(3):
+            output = torch.full((size * shard,), float("nan"), dtype=dtype)
+            comm_stats().reset()
+            handle = hpz_weight_difference_all_gather(output, mine, secondary, held, topo, codec=codec,
+                                                      async_op=use == 1)
+            if handle is not None:
+                handle.wait()
+            stats = comm_stats().summed_over_ranks()
+            inter = sum(s.inter_bytes for s in stats.values())
+            everyone = [torch.empty_like(output) for _ in range(size)]
+            dist.all_gather(everyone, output)
+            word = torch.int16 if dtype != torch.float32 else torch.int32
+            identical = all(torch.equal(e.view(word), output.view(word)) for e in everyone)
+            got = output.view(size, shard).float()
+            if resync:
+                worst = 0.0 if torch.equal(got, targets) else float("inf")
+            else:
+                difference = targets - bases
+                step_bound = block_absmax(difference, shard, block) / qmax * per_scale
+                rounding = torch.maximum(got.abs(), targets.abs()) * OUT_EPS[dtype]
+                bound = step_bound + rounding + step_bound * FP32_SLOP + 1e-30
+                worst = float(((got - targets).abs() / bound).max())
+            out.append({"step": step, "use": use, "resync": resync, "identical": identical, "worst": worst,
+                        "inter": inter, "held_is_output": bool(torch.equal(held.value, output.view(size, shard)[rank]))})
+        holds = [output.view(size, shard)[r].clone() for r in range(size)]
+    # A NaN in one owner's update reaches every replica, in that shard's block only.
+    secondary.invalidate()
+    mine = exact[rank].to(dtype)
+    if rank == 0:
+        mine[3] = float("nan")
+    output = torch.empty(size * shard, dtype=dtype)
+    hpz_weight_difference_all_gather(output, mine, secondary, held, topo, codec=codec)
+    nan_rows = torch.isnan(output.view(size, shard).float()).any(dim=1).tolist()
+    return {"gathers": out, "nan_rows": nan_rows, "row_bytes": layout.row_bytes(shard, bits, block),
+            "secondary_bytes": secondary.nbytes}

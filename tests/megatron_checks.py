@@ -213,20 +213,33 @@ class _CountedDifferenceGathers:
 
     def __enter__(self):
         import megatron_zpp.megatron.ddp as ddp
+        import megatron_zpp.megatron.fsdp as fsdp
 
-        self.module, self.original = ddp, ddp.weight_difference_all_gather
-        self.counts = {"gathers": 0, "resyncs": 0}
+        self.original = ddp.weight_difference_all_gather
+        self.original_hpz = fsdp.hpz_weight_difference_all_gather
+        self.counts = {"gathers": 0, "resyncs": 0, "exchanges": 0}
 
         def counting(output, input, held, *args, **kwargs):
             self.counts["gathers"] += 1
             self.counts["resyncs"] += not held.valid
             return self.original(output, input, held, *args, **kwargs)
 
+        def counting_hpz(output, input, shard, held, *args, **kwargs):  # Megatron-FSDP: every gather comes here
+            self.counts["gathers"] += 1
+            self.counts["resyncs"] += not held.valid
+            self.counts["exchanges"] += held.valid and not shard.valid
+            return self.original_hpz(output, input, shard, held, *args, **kwargs)
+
         ddp.weight_difference_all_gather = counting
+        fsdp.hpz_weight_difference_all_gather = counting_hpz
         return self.counts
 
     def __exit__(self, *exc):
-        self.module.weight_difference_all_gather = self.original
+        import megatron_zpp.megatron.ddp as ddp
+        import megatron_zpp.megatron.fsdp as fsdp
+
+        ddp.weight_difference_all_gather = self.original
+        fsdp.hpz_weight_difference_all_gather = self.original_hpz
 
 
 def weight_difference_consistency(parallel: list[str], iterations: int) -> dict:
@@ -255,7 +268,7 @@ def weight_difference_resume(directory: str) -> dict:
 
 
 def optimizer_steps_from_its_own_weights(parallel: list[str], iterations: int, directory: str,
-                                         policy: str = "zeropp") -> dict:
+                                         policy: list[str] = ("--zpp-policy", "zeropp")) -> dict:
     """fp32 weights, distributed optimizer, zeropp (INT8 qwZ; or sdp4bit's 4-bit weight differences) with a
     checkpoint save midway: torch's AdamW step,
     spied through torch's global step hooks. Each step must start from exactly the weights the previous one
@@ -279,7 +292,7 @@ def optimizer_steps_from_its_own_weights(parallel: list[str], iterations: int, d
     # torch's global step hooks (not a patched step: torch wraps Optimizer.step with its own hook machinery)
     handles = [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
     try:
-        run = pretrain(SMALL + parallel + ["--zpp-policy", policy, "--zpp-ranks-per-node", "2", "--eval-iters", "0",
+        run = pretrain(SMALL + parallel + list(policy) + ["--zpp-ranks-per-node", "2", "--eval-iters", "0",
                                            "--train-iters", str(iterations), "--save", directory,
                                            "--save-interval", "2", "--check-replica-weights"], log=_quiet)
     finally:
@@ -289,7 +302,7 @@ def optimizer_steps_from_its_own_weights(parallel: list[str], iterations: int, d
                   for k in range(1, len(snapshots))]
     # Resumed from the last checkpoint for 2 more iterations: replicas must agree from the first forward on
     # (the checkpoint's model tensor is DP rank 0's copy; the optimizer then loads each owner's exact shard).
-    resumed = pretrain(SMALL + parallel + ["--zpp-policy", policy, "--zpp-ranks-per-node", "2", "--eval-iters", "0",
+    resumed = pretrain(SMALL + parallel + list(policy) + ["--zpp-ranks-per-node", "2", "--eval-iters", "0",
                                            "--train-iters", str(iterations + 2), "--load", directory,
                                            "--check-replica-weights"], log=_quiet)
     return {"steps": len(snapshots), "continuous": continuous, "finite": run["finite"],

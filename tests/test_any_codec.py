@@ -66,7 +66,7 @@ def test_nan_reaches_the_output_through_every_codec():
             assert finite_elsewhere, spec
 
 
-@pytest.mark.parametrize("spec", ["int4:block=128", "zfp:rate=8"])
+@pytest.mark.parametrize("spec", ["int4:block=128", "int4:block=128,hadamard=32", "zfp:rate=8"])
 @pytest.mark.parametrize("nodes,per_node", [(1, 4), (4, 1)], ids=["1x4", "4x1"])
 def test_error_feedback_returns_what_the_codec_lost(spec, nodes, per_node):
     results = run_distributed(checks.error_feedback_worker, nodes * per_node, spec, 6, ranks_per_node=per_node)

@@ -39,6 +39,8 @@ BAD_CONFIGS = [
     ("codec-spec", ["--zpp-dp-grad", "int9"], 2, ["'int9'", "valid codecs: int4, int8"]),
     ("hadamard-run", ["--zpp-dp-grad", "int4:block=128,hadamard=48"], 2,
      ["hadamard=48", "valid: 0 (off) or a power of two in [2, 4096] that divides the block"]),
+    ("hadamard-intra", ["--zpp-policy", "sdp4bit", "--zpp-dp-grad-intra", "int8:block=512,hadamard=256"], 2,
+     ["rotates runs of 256", "must divide dp.grad's block 128"]),
     ("world-size", ["--tensor-model-parallel-size", "3"], 2, ["world size 2", "tensor (3)"]),
     ("ranks-per-node", ["--zpp-ranks-per-node", "3"], 4, ["--zpp-ranks-per-node 3", "valid: 1, 2, 4"]),
     ("fsdp-ckpt-format", ["--use-megatron-fsdp", "--save", "/nonexistent/ckpt"], 2,

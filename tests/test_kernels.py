@@ -732,6 +732,10 @@ def _all_ops(x, rows, length, bits, block, hadamard, stochastic, dtype, device, 
     y = torch.empty(rows * length, dtype=dtype, device=device)
     ops.dequantize_rows_(q, y, bits, block, hadamard, backend=backend)
     out["dequantize"] = y
+    for h in (0, hadamard):  # qWD's decode-and-add, plain and rotated: x plays the held weights
+        added = x.clone()
+        ops.dequantize_add_rows_(q, added, bits, block, h, backend=backend)
+        out[f"dequantize_add h={h}"] = added
     chunks, k = packed_in.shape[:2]
     # In and out rotations: off-on (qgZ's intra INT8 -> inter INT4 hop), on-off, on-on (stays rotated).
     for h_in, h_out in ((0, hadamard), (hadamard, 0), (hadamard, hadamard)):
@@ -816,3 +820,18 @@ def test_hadamard_arguments_are_validated(kernel_device):
         torch.ops.megatron_zpp.quantize_rows_(x, packed, 4, 128, False, 0, 96)
     with pytest.raises(RuntimeError, match="hadamard_in=128 must also divide block_out=64"):
         torch.ops.megatron_zpp.dequant_reduce_quantize_(stacked, out, 256, 4, 128, 4, 64, False, 0, 128, 0)
+
+
+def test_dequantize_add_is_the_decode_plus_the_held_values_rounded_once(kernel_device):
+    """dequantize_add_rows_ = cast(fp32 decode + fp32(out)), one rounding: for bf16, the same bits as decoding into
+    fp32, adding the cast-up base in fp32 and casting once (what qWD did in three passes), not the sum of two
+    roundings."""
+    rows, length, bits, block = 3, 4099, 4, 2048
+    base = (torch.randn(rows * length) * 3).to(torch.bfloat16).to(kernel_device)
+    q = ops.quantize(torch.randn(rows * length, device=kernel_device) * 1e-2, bits, block, rows=rows)
+    got = base.clone()
+    ops.dequantize_add_rows_(q, got, bits, block)
+    decoded = ops.dequantize(q, (rows * length,), torch.float32, bits, block)
+    assert torch.equal(got, (decoded + base.float()).to(torch.bfloat16))
+    twice = (ops.dequantize(q, (rows * length,), torch.bfloat16, bits, block).float() + base.float()).to(torch.bfloat16)
+    assert not torch.equal(got, twice)  # the sample is large enough for double rounding to show

@@ -380,16 +380,21 @@ def test_replicas_compute_with_identical_weights_at_every_use(layout):
         assert by_policy["none"]["losses"] == by_policy["absent"]["losses"], (layout, by_policy)
 
 
-@pytest.mark.parametrize("layout,policy", [("distopt", "zeropp"), ("distopt-overlap-both", "zeropp"),
-                                           ("distopt-overlap-both", "sdp4bit")])
+@pytest.mark.parametrize("layout,policy", [
+    ("distopt", "zeropp"), ("distopt-overlap-both", "zeropp"), ("distopt-overlap-both", "sdp4bit"),
+    # a periodic full-precision resync lands between a gather and the step: the exact shards must survive it
+    ("distopt", "sdp4bit-resync2"),
+])
 def test_fp32_optimizer_steps_from_its_own_weights_under_a_lossy_gather(layout, policy, tmp_path):
     """fp32 weights on the distributed optimizer have no separate master copy: a lossy weight gather (zeropp's
     INT8 qwZ, sdp4bit's 4-bit weight differences) decodes over the optimizer's shard. Every optimizer step must
     still start from the weights the previous step produced, through a checkpoint save (which writes those,
     not the decoded ones), with and without overlapped gathers; replicas still compute with identical weights
     at every use, also in a run resumed from that checkpoint."""
+    flags = {"zeropp": ["--zpp-policy", "zeropp"], "sdp4bit": ["--zpp-policy", "sdp4bit"],
+             "sdp4bit-resync2": ["--zpp-policy", "sdp4bit", "--zpp-dp-param-resync-interval", "2"]}[policy]
     r = run_distributed(checks.optimizer_steps_from_its_own_weights, 4, REPLICA_LAYOUTS[layout], 4,
-                        str(tmp_path / "ckpt"), policy, ranks_per_node=2, timeout_s=600)
+                        str(tmp_path / "ckpt"), flags, ranks_per_node=2, timeout_s=600)
     for rank, x in enumerate(r):
         print(f"\n{layout} {policy} rank {rank}: {x['steps']} steps, each from the previous one's weights: {x['continuous']}; "
               f"{x['replica_check']['uses_compared']} uses compared, {x['replica_check']['mismatches']} mismatches "
@@ -403,7 +408,7 @@ def test_fp32_optimizer_steps_from_its_own_weights_under_a_lossy_gather(layout, 
 
 
 @pytest.mark.parametrize("layout", [
-    "distopt-overlap-both",
+    "distopt-overlap-both", "fsdp-hpz",
     *(pytest.param(layout, marks=pytest.mark.slow)
       for layout in ("distopt", "distopt-overlap-grad", "tp2xdp2", "pp2xdp2-interleaved")),
 ])
@@ -421,11 +426,17 @@ def test_weight_differences_keep_replicas_identical(layout):
         print(f"\n{layout} rank {rank} sdp4bit: {r['uses_compared']} uses compared, {r['mismatches']} mismatches; "
               f"{counts['gathers']} gathers, {counts['resyncs']} in full precision; "
               f"losses {[round(x, 4) for x in r['losses']]} vs Megatron's {[round(x, 4) for x in absent['losses']]}")
-        # Per bucket: 2 full-precision gathers (its first, and at iteration 3), and one gather per iteration (5),
-        # plus, with overlapped gathers, the one the last step's update dispatches.
         buckets = counts["resyncs"] // 2
         assert buckets > 0 and counts["resyncs"] == 2 * buckets, counts
-        assert counts["gathers"] in (5 * buckets, 6 * buckets), counts
+        if layout.startswith("fsdp"):
+            # Megatron-FSDP: every gather (forward and backward) from the hpZ copy; at most one difference
+            # exchange per bucket and weight update (5 updates, less those a resync replaced): a second one would
+            # mean the copy was invalidated after the step's own prefetch had refreshed it.
+            assert 3 * buckets <= counts["exchanges"] <= 5 * buckets < counts["gathers"], counts
+        else:
+            # Per bucket: 2 full-precision gathers (its first, and at iteration 3), and one gather per
+            # iteration (5), plus, with overlapped gathers, the one the last step's update dispatches.
+            assert counts["gathers"] in (5 * buckets, 6 * buckets), counts
         assert r["finite"] and r["uses_compared"] > 0 and r["mismatches"] == 0, (layout, rank, r["first_mismatches"])
         assert abs(r["losses"][-1] - absent["losses"][-1]) < 0.05 * absent["losses"][-1]
 
@@ -445,14 +456,13 @@ def test_weight_differences_resync_after_a_checkpoint_load(tmp_path):
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--use-megatron-fsdp", "--bf16"], "not yet with --use-megatron-fsdp"),
-    (["--bf16"], "add --use-distributed-optimizer"),
+    (["--bf16"], "add --use-distributed-optimizer or --use-megatron-fsdp"),
 ])
 def test_weight_differences_refuse_what_they_cannot_run_on(flags, says):
-    """qWD adds differences to the replicas' copy of the distributed optimizer's weights: Megatron-FSDP (frees
-    them) and plain DP (no sharded gather) are configuration errors naming the alternative, before anything is
-    built; so are a resync interval without qWD, and Megatron-LM's modes that reuse the buffer. (fp32 weights
-    run: test_fp32_optimizer_steps_from_its_own_weights_under_a_lossy_gather.)"""
+    """qWD adds differences to the replicas' copy of the sharded weights (the distributed optimizer's gathered
+    buffer, Megatron-FSDP's hpZ copy): plain DP (no sharded gather) is a configuration error naming the
+    alternatives, before anything is built; so are a resync interval without qWD, and Megatron-LM's modes that
+    reuse the buffer. (fp32 weights run: test_fp32_optimizer_steps_from_its_own_weights_under_a_lossy_gather.)"""
     from megatron_zpp.megatron import hooks_from_args
     from megatron_zpp.policy import ConfigError
     from megatron_zpp.training.arguments import build_parser

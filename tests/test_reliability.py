@@ -159,11 +159,13 @@ def test_killed_rank_names_it_and_the_restart_resumes(tmp_path):
 def test_store_host_does_not_wait_for_a_rank_a_verdict_names_as_failed():
     """Rank 0 (hosting the store) learns of rank 2's death from rank 1's verdict: it waits for the live ranks to
     read it and mark themselves exiting, not for rank 2, which never will (it sat out its whole bound, a CI run
-    saw rank 0 exit 6 s after its peers). A rank's verdict naming itself (a step failure it reports) keeps it
-    waited for: it is alive and marks itself exiting."""
+    saw rank 0 exit 6 s after its peers). A rank named alive (a step failure it reports itself, or found hung
+    with its heartbeat going) is waited for: it reads the verdict and marks itself exiting. And what a rank
+    publishes says which kind it found."""
     from megatron_zpp.testing import run_distributed
 
-    assert run_distributed(_linger_checks, 1)[0] == {"found by rank 1": [1, 3], "self-reported by rank 3": [1, 2, 3]}
+    assert run_distributed(_linger_checks, 1)[0] == {"found by rank 1": [1, 3], "self-reported by rank 3": [1, 2, 3],
+                                                     "rank 2 hung, alive": [1, 2, 3]}
 
 
 def _linger_checks():
@@ -172,8 +174,9 @@ def _linger_checks():
     from megatron_zpp.training.watchdog import RankFailureConfig, RankWatchdog
 
     out = {}
-    for case, verdict in (("found by rank 1", "1|2|rank 2 stopped responding"),
-                          ("self-reported by rank 3", "3|3|rank 3 failed in checkpoint commit")):
+    for case, verdict in (("found by rank 1", "1|2|1|rank 2 stopped responding"),
+                          ("self-reported by rank 3", "3|3|0|rank 3 failed in checkpoint commit"),
+                          ("rank 2 hung, alive", "1|2|0|rank 2 hung: rank 2 at iteration 3")):
         store = dist.HashStore()
         watchdog = RankWatchdog(RankFailureConfig(rank_timeout=10.0, heartbeat_interval=1.0), store=store)
         watchdog.world = 4  # a 4-rank run as rank 0 sees it; the other ranks' keys are written here
@@ -183,6 +186,16 @@ def _linger_checks():
         watchdog._wait_until_exiting = waited.extend
         watchdog.linger_if_store_host()
         out[case] = waited
+    # The publishing side: a finding of dead ranks (after its look at the heartbeats) is marked as such.
+    store = dist.HashStore()
+    finder = RankWatchdog(RankFailureConfig(rank_timeout=10.0, heartbeat_interval=1.0), store=store)
+    finder._gone = {2}
+    finder.publish("rank 2 stopped responding", [2])
+    assert store.get("verdict").decode() == "0|2|1|rank 2 stopped responding"
+    store = dist.HashStore()
+    finder = RankWatchdog(RankFailureConfig(rank_timeout=10.0, heartbeat_interval=1.0), store=store)
+    finder.publish("rank 3 hung", [3])
+    assert store.get("verdict").decode() == "0|3|0|rank 3 hung"
     return out
 
 

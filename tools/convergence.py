@@ -19,7 +19,16 @@ run: baseline (none), mzhybrid, zhybrid, hybrid. MVAPICH reports MZHybrid at the
 It prints the validation loss at the end of each run and its gap to the baseline, and writes the
 training-loss curves to ``docs/convergence[-hybrid]-<date>-<machine>.png`` (numbers in a JSON beside it).
 
-    python tools/convergence.py [--study zeropp|hybrid] [--steps 300] [--out-dir docs]
+``--study sdp4bit`` (issue 23): `none`, `zeropp`, `sdp4bit` and each half of sdp4bit alone (4-bit weight
+differences on zeropp's gradients; the two-level Hadamard gradients on zeropp's INT8 weights), each with
+``--seeds`` seeds, on the distributed optimizer in fp32 with both overlap flags; validation loss every
+``--eval-every`` iterations. ``--model train`` is ``make train``'s model (4 layers, hidden 256, sequence 256,
+batch 32; the issue's), ``--model small`` the 2 x 128 model of the other studies. ``--stress`` adds a run
+pair at 4x the learning rate, INT4 across nodes with and without the Hadamard rotation. It prints the final
+validation loss per policy (mean and seed spread), the gap of each mean to `none`'s against `none`'s own
+seed-to-seed spread, and plots the validation curves with the spread shaded.
+
+    python tools/convergence.py [--study zeropp|hybrid|sdp4bit] [--steps 300] [--seeds 3] [--out-dir docs]
 """
 
 from __future__ import annotations
@@ -59,6 +68,120 @@ STUDIES = {
 }
 
 
+SDP4BIT_RUNS = {
+    "none": ["--zpp-policy", "none"],
+    "zeropp": ["--zpp-policy", "zeropp"],
+    "sdp4bit": ["--zpp-policy", "sdp4bit"],
+    "sdp4bit weights only (qWD)": ["--zpp-policy", "zeropp", "--zpp-dp-param", "int4:block=2048",
+                                   "--zpp-dp-param-difference"],
+    "sdp4bit gradients only (2-level + Hadamard)": ["--zpp-policy", "sdp4bit", "--zpp-dp-param", "int8:block=256",
+                                                    "--no-zpp-dp-param-difference"],
+}
+# The stress pair: 4x the learning rate, INT4 gradients across nodes (INT8 inside), rotated or not.
+STRESS_RUNS = {
+    "stress: INT4 inter-node, Hadamard 32": ["--zpp-policy", "zeropp", "--zpp-dp-grad-intra", "int8:block=512",
+                                             "--zpp-dp-grad", "int4:block=128,hadamard=32"],
+    "stress: INT4 inter-node, no Hadamard": ["--zpp-policy", "zeropp", "--zpp-dp-grad-intra", "int8:block=512",
+                                             "--zpp-dp-grad", "int4:block=128"],
+    "stress: none": ["--zpp-policy", "none"],
+}
+MODELS = {
+    # make train's model (Makefile TRAIN_ARGS), fp32
+    "train": ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
+              "--micro-batch-size", "4", "--global-batch-size", "32", "--lr", "1e-3"],
+    "small": ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
+              "--micro-batch-size", "4", "--global-batch-size", "16", "--lr", "1e-3"],
+}
+
+
+def sdp4bit_args(model: str, steps: int, seed: int, eval_every: int, ranks_per_node: int, lr_scale: float) -> list[str]:
+    flags = list(MODELS[model])
+    lr = flags.index("--lr") + 1
+    flags[lr] = str(float(flags[lr]) * lr_scale)
+    return PROJECT_RECIPE + flags + [
+        "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+        "--lr-warmup-iters", str(max(1, steps // 10)), "--train-iters", str(steps), "--eval-iters", "8",
+        "--eval-interval", str(eval_every), "--log-interval", str(max(1, steps // 6)), "--seed", str(seed),
+        "--zpp-ranks-per-node", str(ranks_per_node)]
+
+
+def _sdp4bit_worker(model: str, steps: int, seeds: int, eval_every: int, ranks_per_node: int, stress: bool) -> dict:
+    import torch.distributed as dist
+
+    from megatron_zpp.training.trainer import pretrain
+
+    plans = [(name, flags, 1.0) for name, flags in SDP4BIT_RUNS.items()]
+    if stress:
+        plans += [(name, flags, 4.0) for name, flags in STRESS_RUNS.items()]
+    results: dict = {}
+    for name, flags, lr_scale in plans:
+        for k in range(seeds):
+            seed = 1234 + k
+            if dist.get_rank() == 0:
+                print(f"# run: {name}, seed {seed}", flush=True)
+            summary = pretrain(sdp4bit_args(model, steps, seed, eval_every, ranks_per_node, lr_scale) + flags)
+            results.setdefault(name, []).append({
+                "seed": seed, "valid_curve": summary["valid_curve"], "valid_loss": summary["valid_loss"],
+                "losses": summary["losses"], "finite": summary["finite"],
+                "inter_bytes": summary["inter_bytes"], "seconds_per_iteration": summary["seconds_per_iteration"]})
+    return results
+
+
+def sdp4bit_main(args) -> None:
+    import statistics
+
+    results = run_distributed(_sdp4bit_worker, args.nproc, args.model, args.steps, args.seeds, args.eval_every,
+                              args.ranks_per_node, args.stress, ranks_per_node=args.ranks_per_node,
+                              timeout_s=4 * 3600, wall_limit_s=12 * 3600)[0]
+    finals = {name: [r["valid_loss"] for r in runs] for name, runs in results.items()}
+    base = finals["none"]
+    base_mean = statistics.mean(base)
+    spread = max(base) - min(base)
+    print(f"
+sdp4bit study: model {args.model}, {args.steps} iterations, seeds {args.seeds}, distributed optimizer "
+          f"(fp32, both overlap flags), {args.nproc} ranks as {args.nproc // args.ranks_per_node} nodes x "
+          f"{args.ranks_per_node}; final validation LM loss")
+    print(f"`none`'s seed-to-seed spread (max - min): {spread:.5f} ({100 * spread / base_mean:.3f}%)")
+    print("| run | mean | min | max | gap of the mean vs none | within none's spread | cross-node MB/iteration |")
+    print("|---|---|---|---|---|---|---|")
+    for name, values in finals.items():
+        ref = statistics.mean(finals["stress: none"]) if name.startswith("stress") else base_mean
+        mean = statistics.mean(values)
+        gap = mean - ref
+        mb = statistics.mean(r["inter_bytes"] for r in results[name]) / 1e6
+        within = "yes" if abs(gap) <= spread else "no"
+        print(f"| {name} | {mean:.5f} | {min(values):.5f} | {max(values):.5f} | {gap:+.5f} ({100 * gap / ref:+.3f}%) "
+              f"| {within} | {mb:.3f} |")
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"convergence-sdp4bit-{args.model}-{datetime.date.today().isoformat()}-{machine_name()}"
+    (out_dir / f"{stem}.json").write_text(json.dumps({"study": "sdp4bit", "model": args.model, "steps": args.steps,
+                                                      "seeds": args.seeds, "results": results}, indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for name, runs in results.items():
+        its = [i for i, _ in runs[0]["valid_curve"]]
+        curves = [[v for _, v in r["valid_curve"]] for r in runs]
+        lo = [min(c[j] for c in curves) for j in range(len(its))]
+        hi = [max(c[j] for c in curves) for j in range(len(its))]
+        mean = [statistics.mean(c[j] for c in curves) for j in range(len(its))]
+        line, = ax.plot(its, mean, label=f"{name} ({statistics.mean(finals[name]):.4f})",
+                        linestyle="--" if name.startswith("stress") else "-")
+        ax.fill_between(its, lo, hi, color=line.get_color(), alpha=0.2)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel(f"validation LM loss (mean of {args.seeds} seeds, min-max shaded)")
+    ax.set_title(f"sdp4bit convergence, model {args.model}, {machine_name()}", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{stem}.png", dpi=120)
+    print(f"\nwrote {out_dir / stem}.png and .json")
+
+
 def model_args(steps: int, ranks_per_node: int, layout: list[str]) -> list[str]:
     return PROJECT_RECIPE + layout + ["--bf16", "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
             "--seq-length", "128", "--micro-batch-size", "4", "--global-batch-size", "16", "--lr", "1e-3",
@@ -92,8 +215,13 @@ def machine_name() -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--study", choices=sorted(STUDIES), default="zeropp",
-                   help="zeropp: ZeRO++ Table 5 on Megatron-FSDP; hybrid: the per-dimension presets on TP2 x DP2")
+    p.add_argument("--study", choices=sorted(STUDIES) + ["sdp4bit"], default="zeropp",
+                   help="zeropp: ZeRO++ Table 5 on Megatron-FSDP; hybrid: the per-dimension presets on TP2 x DP2; "
+                        "sdp4bit: none / zeropp / sdp4bit and its halves over seeds (issue 23)")
+    p.add_argument("--seeds", type=int, default=3, help="sdp4bit: seeds per run")
+    p.add_argument("--model", choices=sorted(MODELS), default="train", help="sdp4bit: the model")
+    p.add_argument("--eval-every", type=int, default=50, help="sdp4bit: iterations between validations")
+    p.add_argument("--stress", action="store_true", help="sdp4bit: add the 4x learning-rate Hadamard pair")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--ranks-per-node", type=int, default=2)
@@ -101,6 +229,10 @@ def main() -> None:
     args = p.parse_args()
     if args.steps < 1:
         raise SystemExit("--steps must be positive")
+    if args.study == "sdp4bit":
+        if args.seeds < 1 or args.eval_every < 1:
+            raise SystemExit(f"--seeds {args.seeds} and --eval-every {args.eval_every} must be positive")
+        return sdp4bit_main(args)
     _, goals, _, title = STUDIES[args.study]
     results = run_distributed(_worker, args.nproc, args.steps, args.ranks_per_node, args.study,
                               ranks_per_node=args.ranks_per_node, timeout_s=3600)[0]

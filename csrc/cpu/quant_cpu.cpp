@@ -185,7 +185,15 @@ void dequantize_rows_cpu(const at::Tensor& packed, const at::Tensor& out, int64_
   const int64_t length = check_dequantize_rows(packed, out, bits, block);
   const int log2h = check_hadamard(hadamard, block);
   cpu_kernels().dequantize_rows(packed.data_ptr<uint8_t>(), out.data_ptr(), cpu_dtype(out), packed.size(0), length,
-                                static_cast<int>(bits), block, log2h);
+                                static_cast<int>(bits), block, log2h, false);
+}
+
+void dequantize_add_rows_cpu(const at::Tensor& packed, const at::Tensor& out, int64_t bits, int64_t block,
+                             int64_t hadamard) {
+  const int64_t length = check_dequantize_rows(packed, out, bits, block);
+  const int log2h = check_hadamard(hadamard, block);
+  cpu_kernels().dequantize_rows(packed.data_ptr<uint8_t>(), out.data_ptr(), cpu_dtype(out), packed.size(0), length,
+                                static_cast<int>(bits), block, log2h, true);
 }
 
 void dequant_reduce_quantize_cpu(const at::Tensor& packed_in, const at::Tensor& packed_out, int64_t row_numel,
@@ -387,6 +395,7 @@ TORCH_LIBRARY_IMPL(megatron_zpp, CPU, m) {
   m.impl("quantize_rows_", &zpp::quantize_rows_cpu);
   m.impl("reorder_quantize_", &zpp::reorder_quantize_cpu);
   m.impl("dequantize_rows_", &zpp::dequantize_rows_cpu);
+  m.impl("dequantize_add_rows_", &zpp::dequantize_add_rows_cpu);
   m.impl("dequant_reduce_quantize_", &zpp::dequant_reduce_quantize_cpu);
   m.impl("dequant_reduce_", &zpp::dequant_reduce_cpu);
   m.impl("_cuda_schedule_quantize_rows_", &zpp::cuda_schedule_quantize_rows);

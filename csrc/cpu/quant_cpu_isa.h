@@ -383,9 +383,10 @@ inline void decode_block(const uint8_t* data, int64_t e0, int64_t n, int bits, f
   if (n % 2) y[n - 1] = f32_mul(static_cast<float>(unpack_int4_lo(q[pairs])), s);
 }
 
+// accumulate: out = cast(decoded + fp32(out)), one rounding (qWD's decode-and-add of weight differences).
 template <typename T>
 void dequantize_rows_kernel(const uint8_t* packed, T* out, int64_t rows, int64_t length, int bits, int64_t block,
-                            int log2h) {
+                            int log2h, bool accumulate) {
   const int64_t nb = num_blocks(length, block);
   const int64_t rb = row_bytes(length, bits, block);
   at::parallel_for(0, rows * nb, grain_blocks(block), [&](int64_t b0, int64_t b1) {
@@ -398,11 +399,15 @@ void dequantize_rows_kernel(const uint8_t* packed, T* out, int64_t rows, int64_t
       const int64_t e0 = k * block;
       const int64_t n = std::min(block, length - e0);
       T* y = out + r * length + e0;
-      if (log2h) {
+      if (log2h || accumulate) {
         rot.resize(n);
         decode_block(data, e0, n, bits, s, rot.data());
-        hadamard_range(rot.data(), n, log2h);
-        for (int64_t i = 0; i < n; ++i) y[i] = from_f32<T>(rot[i]);
+        if (log2h) hadamard_range(rot.data(), n, log2h);
+        if (accumulate) {
+          for (int64_t i = 0; i < n; ++i) y[i] = from_f32<T>(f32_add(rot[i], to_f32(y[i])));
+        } else {
+          for (int64_t i = 0; i < n; ++i) y[i] = from_f32<T>(rot[i]);
+        }
         continue;
       }
 #if ZPP_CPU_ISA_F16C
@@ -476,10 +481,10 @@ void quantize_rows(const void* x, CpuDtype dtype, uint8_t* packed, int64_t rows,
 }
 
 void dequantize_rows(const uint8_t* packed, void* out, CpuDtype dtype, int64_t rows, int64_t length, int bits,
-                     int64_t block, int log2h) {
+                     int64_t block, int log2h, bool accumulate) {
   dispatch_dtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    dequantize_rows_kernel(packed, static_cast<T*>(out), rows, length, bits, block, log2h);
+    dequantize_rows_kernel(packed, static_cast<T*>(out), rows, length, bits, block, log2h, accumulate);
   });
 }
 

@@ -67,21 +67,41 @@ void reorder_quantize_cuda(const at::Tensor& x, const at::Tensor& packed, int64_
                node_size, stages);
 }
 
-void dequantize_rows_cuda(const at::Tensor& packed, const at::Tensor& out, int64_t bits, int64_t block,
-                          int64_t hadamard) {
+void dequantize_rows_any(const at::Tensor& packed, const at::Tensor& out, int64_t bits, int64_t block,
+                         int64_t hadamard, bool accumulate) {
   const int64_t length = check_dequantize_rows(packed, out, bits, block);
   const int log2h = check_hadamard(hadamard, block);
   check_aligned(packed, "packed");
   const int64_t rows = packed.size(0);
   const c10::cuda::CUDAGuard guard(out.device());
-  at::Tensor dst = log2h ? fp32_work(out, out.numel()) : out;
-  cuda::launch_dequantize_rows(packed.data_ptr<uint8_t>(), dst.data_ptr(), float_type(dst), rows, length,
+  if (!log2h) {
+    cuda::launch_dequantize_rows(packed.data_ptr<uint8_t>(), out.data_ptr(), float_type(out), rows, length,
+                                 static_cast<int>(bits), block, at::cuda::getCurrentCUDAStream(), accumulate);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+  // Rotated: fp32 output without accumulation is rotated where it is decoded; otherwise an fp32 temporary,
+  // then (decoded + fp32(out)) and one narrowing.
+  const bool in_place = out.scalar_type() == at::kFloat && !accumulate;
+  at::Tensor dst = in_place ? out : fp32_work(out, out.numel());
+  cuda::launch_dequantize_rows(packed.data_ptr<uint8_t>(), dst.data_ptr(), cuda::FloatType::kFloat32, rows, length,
                                static_cast<int>(bits), block, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (log2h) {
-    rotate(dst, rows, length, log2h);
-    out.view(-1).copy_(dst);  // round to nearest even, as the kernels narrow
-  }
+  at::Tensor flat = dst.view(-1);
+  rotate(flat, rows, length, log2h);
+  if (in_place) return;
+  if (accumulate) flat.add_(out.view(-1).to(at::kFloat));  // decoded + base, as the kernels add
+  out.view(-1).copy_(flat);  // round to nearest even, as the kernels narrow
+}
+
+void dequantize_rows_cuda(const at::Tensor& packed, const at::Tensor& out, int64_t bits, int64_t block,
+                          int64_t hadamard) {
+  dequantize_rows_any(packed, out, bits, block, hadamard, false);
+}
+
+void dequantize_add_rows_cuda(const at::Tensor& packed, const at::Tensor& out, int64_t bits, int64_t block,
+                              int64_t hadamard) {
+  dequantize_rows_any(packed, out, bits, block, hadamard, true);
 }
 
 // The fp32 sum over the chunks of packed_in [C, K, row] (dequant_reduce with divisor 1: x / 1 is exact).
@@ -132,7 +152,8 @@ void dequant_reduce_cuda(const at::Tensor& packed_in, const at::Tensor& out, int
     at::Tensor acc = reduce_fp32(packed_in, length, bits, block);
     rotate(acc, rows, length, log2h);
     // Tensor / tensor: an IEEE division per element (a Python-number divisor would multiply by its reciprocal).
-    out.view(-1).copy_(acc.div(at::full_like(acc, static_cast<float>(divisor))));
+    acc.div_(at::full_like(acc, static_cast<float>(divisor)));
+    out.view(-1).copy_(acc);
     return;
   }
   cuda::launch_dequant_reduce(packed_in.data_ptr<uint8_t>(), out.data_ptr(), float_type(out), packed_in.size(0), rows,
@@ -148,6 +169,7 @@ TORCH_LIBRARY_IMPL(megatron_zpp, CUDA, m) {
   m.impl("quantize_rows_", &zpp::quantize_rows_cuda);
   m.impl("reorder_quantize_", &zpp::reorder_quantize_cuda);
   m.impl("dequantize_rows_", &zpp::dequantize_rows_cuda);
+  m.impl("dequantize_add_rows_", &zpp::dequantize_add_rows_cuda);
   m.impl("dequant_reduce_quantize_", &zpp::dequant_reduce_quantize_cuda);
   m.impl("dequant_reduce_", &zpp::dequant_reduce_cuda);
 }

@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(kCtaThreads)
   }
 }
 
-template <typename T>
+template <typename T, bool kAccumulate>
 __global__ void __launch_bounds__(kCtaThreads)
     dequantize_rows_kernel(const uint8_t* __restrict__ packed, T* __restrict__ out, int64_t rows, int64_t length,
                            int bits, int64_t block) {
@@ -216,6 +216,12 @@ __global__ void __launch_bounds__(kCtaThreads)
     chunks::load_chunk_words(row + 4 * nb, e, cnt, bits, w);
     float v[kChunk];
     chunks::dequantize_chunk(w, bits, chunks::load_f32_scale(row, e / block), v);
+    if constexpr (kAccumulate) {  // out = cast(decoded + fp32(out)): one rounding
+      float base[kChunk];
+      load_chunk(out + r * length + e, cnt, base);
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) v[i] = f32_add(v[i], base[i]);
+    }
     store_chunk(out + r * length + e, cnt, v);
   }
 }
@@ -282,13 +288,18 @@ void launch_quantize_rows(const void* x, FloatType type, uint8_t* packed, int64_
 }
 
 void launch_dequantize_rows(const uint8_t* packed, void* out, FloatType type, int64_t rows, int64_t length, int bits,
-                            int64_t block, cudaStream_t stream) {
+                            int64_t block, cudaStream_t stream, bool accumulate) {
   const int64_t items = rows * ceil_div(length, kChunk);
   if (items == 0) return;
   dispatch_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    dequantize_rows_kernel<T><<<grid_for(items, kCtaThreads), kCtaThreads, 0, stream>>>(
-        packed, static_cast<T*>(out), rows, length, bits, block);
+    if (accumulate) {
+      dequantize_rows_kernel<T, true><<<grid_for(items, kCtaThreads), kCtaThreads, 0, stream>>>(
+          packed, static_cast<T*>(out), rows, length, bits, block);
+    } else {
+      dequantize_rows_kernel<T, false><<<grid_for(items, kCtaThreads), kCtaThreads, 0, stream>>>(
+          packed, static_cast<T*>(out), rows, length, bits, block);
+    }
   });
 }
 

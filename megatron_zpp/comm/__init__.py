@@ -9,14 +9,15 @@
     hpz_all_gather(output, shard)                                         # backward: intra-node only
     held = HeldShard(input.numel(), input.dtype)                          # qWD: 4-bit weight differences
     weight_difference_all_gather(output, input, held, topo, codec="int4:block=2048")
+    hpz_weight_difference_all_gather(output, input, raw_shard, held, topo)  # qWD on ZeRO-3's hpZ copy
     comm_stats().get("dp.grad").inter_bytes                               # byte accounting
 
 Semantics mirror ``all_gather_into_tensor`` / ``reduce_scatter_tensor``; ``codec="none"``
 gives the uncompressed algorithm, recorded the same way. Design notes: ``README.md`` here.
 """
 
-from megatron_zpp.comm.all_gather import (HeldShard, HpzShard, hpz_all_gather, quantized_all_gather,
-                                         weight_difference_all_gather)
+from megatron_zpp.comm.all_gather import (HeldShard, HpzShard, hpz_all_gather, hpz_weight_difference_all_gather,
+                                         quantized_all_gather, weight_difference_all_gather)
 from megatron_zpp.comm.all_reduce import compressed_all_reduce
 from megatron_zpp.comm.passthrough import record_torch_collective, torch_reduce_scatter
 from megatron_zpp.comm.reduce_scatter import qgz_reduce_scatter, ring_reduce_scatter
@@ -37,6 +38,7 @@ __all__ = [
     "comm_timers",
     "compressed_all_reduce",
     "hpz_all_gather",
+    "hpz_weight_difference_all_gather",
     "qgz_reduce_scatter",
     "quantized_all_gather",
     "record_torch_collective",

@@ -315,15 +315,115 @@ def weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, held
 
         def finish() -> None:
             wait(work)
-            decoded = scratch.take(size * shard * 4).view(torch.float32).view(size, shard)
-            codec_ops.dequantize_rows_(gathered.view(size, rb), decoded, fmt.bits, fmt.block, fmt.hadamard)
+            rows = output.view(size, shard)
             with comm_timers().codec():
-                rows = output.view(size, shard)
                 rows[me].copy_(held.value)  # the owner's base: what the replicas hold, not the new weights
-                decoded.add_(rows)  # fp32 + cast-up base: the same operation, on the same bits, on every rank
-                rows.copy_(decoded)  # one rounding to the weights' dtype
+            # decoded + fp32(base), one rounding to the weights' dtype: the same operation on the same bits on
+            # every rank, in one pass
+            codec_ops.dequantize_add_rows_(gathered.view(size, rb), output.view(-1), fmt.bits, fmt.block,
+                                           fmt.hadamard)
+            with comm_timers().codec():
                 held.value.copy_(rows[me])
             scratch.release()
         return [], finish
 
     return launch(groups.in_flight, stream, (input, output, held.value), first, async_op)
+
+
+def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, hpz_shard: HpzShard,
+                                     held: HeldShard, topology: Topology,
+                                     codec: str | Codec | None = "int4:block=2048", async_op: bool = False,
+                                     tag: str = "dp.param"):
+    """qWD for ZeRO-3 (Megatron-FSDP), on the hpZ secondary partition: ``output`` gets every shard's weights as
+    the replicas hold them, gathered *inside the node*; what crosses nodes is one 4-bit difference per shard
+    and weight update.
+
+    ``hpz_shard`` holds, in the weights' dtype (codec ``none``), the shards ``[j * R, (j + 1) * R)`` of this
+    rank's hpZ index ``j`` (``R = size / hpz_size``); each node holds them all across its hpZ group. Three cases:
+
+    * ``held`` not valid (the first gather, after a checkpoint load or a resync): a full-precision all-gather,
+      which fills the secondary copy; ``held`` becomes this rank's shard.
+    * ``hpz_shard`` valid (gathered since the weights last changed): :func:`hpz_all_gather`, inside the node.
+    * ``hpz_shard`` stale (``invalidate()`` after an optimizer step): every rank quantizes ``input - held``
+      with ``codec`` and the packed rows are all-gathered; each rank adds the decoded differences of the
+      shards it holds to its secondary copy (``cast(fp32(held row) + decoded)``, the same bits on every node),
+      the owner also to ``held``; then the intra-node gather of the refreshed copy fills ``output``.
+
+    Every replica thus computes with bit-identical weights, and the quantization error is not lost: the next
+    difference is taken against what the replicas hold. ``input``'s padding must be zero (or finite).
+    """
+    what = "hpz_weight_difference_all_gather"
+    check_pair(output, input, what)
+    check_float("input", input, what)
+    size, shard = topology.size, input.numel()
+    if output.numel() != size * shard:
+        raise ValueError(f"{what}: output has {output.numel()} elements; group size {size} x input {shard} = "
+                         f"{size * shard}")
+    if hpz_shard.format.compressed or hpz_shard.shard_numel != shard or hpz_shard.dtype != input.dtype \
+            or hpz_shard.topology._groups is not topology._groups:
+        raise ValueError(f"{what}: hpz_shard must hold {shard} {input.dtype} elements per shard in the weights' "
+                         f"dtype (codec 'none') on this topology; it has {hpz_shard.shard_numel} "
+                         f"{hpz_shard.dtype} with codec {hpz_shard.format.spec!r}")
+    if held.value.numel() != shard or held.value.dtype != input.dtype or held.value.device != input.device:
+        raise ValueError(f"{what}: held shard is {held.value.numel()} {held.value.dtype} on {held.value.device}; "
+                         f"the input is {shard} {input.dtype} on {input.device}")
+    fmt = wire_format(topology, codec, what)
+    if not fmt.blockwise:
+        raise ValueError(f"{what}: codec {fmt.spec!r} is not a blockwise quantizer; valid: int4, int8")
+    agree(topology, what, codec=fmt.spec, dtype=str(input.dtype), hpz=topology.hpz_size)
+    if not held.valid:
+        handle = quantized_all_gather(output, input, topology, codec="none", async_op=async_op, tag=tag,
+                                      hpz_shard=hpz_shard)
+        held.value.copy_(input)
+        held.valid = True
+        return handle
+    if hpz_shard.valid:
+        return hpz_all_gather(output, hpz_shard, topology, async_op=async_op, tag=tag)
+
+    flat, hpz = topology._groups.flat, topology._groups.hpz
+    rb = layout.row_bytes(shard, fmt.bits, fmt.block)
+    part = hpz_shard.payload.view(-1)
+    # One call: the difference rows' all-gather and the intra-node gather of the refreshed copy.
+    intra, inter = flat.split_ring((size - 1) * rb)
+    hpz_intra, hpz_inter = hpz.split_ring((hpz.size - 1) * part.numel())
+    raw = flat.split_ring((size - 1) * shard * input.element_size())
+    comm_stats().record(tag, intra + hpz_intra, inter + hpz_inter, uncompressed=raw)
+    if shard == 0:
+        hpz_shard.valid = True
+        return CommHandle(lambda: None) if async_op else None
+    groups = topology._groups
+    stream = comm_stream(input.device, "gather", groups.streams)
+    scratch = groups.buffers.lease(input.device)
+    me, rows = topology.rank, hpz_shard.rows
+    first_row = topology.hpz_index * rows
+    gather_out = output.view(-1).view(torch.uint8)
+    secondary = hpz_shard.payload.view(-1).view(input.dtype).view(rows, shard)
+
+    def first():
+        payload = scratch.take(rb)
+        gathered = scratch.take(size * rb)
+        with comm_timers().codec():
+            difference = scratch.take(shard * 4).view(torch.float32)
+            torch.sub(input.view(-1).float(), held.value.float(), out=difference)
+        codec_ops.quantize_rows_(difference, payload.view(1, rb), fmt.bits, fmt.block, fmt.stochastic,
+                                 fmt.seed(me, f"{tag}/qwd"), fmt.hadamard)
+        work = flat.all_gather(gathered, payload)
+        hop2: list = []
+
+        def middle() -> None:
+            wait(work)
+            packed = gathered.view(size, rb)
+            # decoded + fp32(held row), one rounding: the same operation on every node
+            codec_ops.dequantize_add_rows_(packed[first_row:first_row + rows], secondary, fmt.bits, fmt.block,
+                                           fmt.hadamard)
+            # the owner's own shard, the same way: = the holders' row of it, bit for bit
+            codec_ops.dequantize_add_rows_(packed[me:me + 1], held.value, fmt.bits, fmt.block, fmt.hadamard)
+            hpz_shard.valid = True
+            hop2.append(hpz.all_gather(gather_out, part))
+
+        def finish() -> None:
+            wait(hop2[0])
+            scratch.release()
+        return [middle], finish
+
+    return launch(groups.in_flight, stream, (input, output, held.value, hpz_shard.payload), first, async_op)

@@ -1,6 +1,6 @@
 """The blocked-quantization ops: validation plus dispatch to the kernels or the reference.
 
-Five out-variant ops (write into caller-owned buffers, so collectives can reuse
+Six out-variant ops (write into caller-owned buffers, so collectives can reuse
 them), each with a C++ CPU kernel, a CUDA kernel and a pure-PyTorch reference
 that agree bit for bit:
 
@@ -8,6 +8,7 @@ that agree bit for bit:
 ``quantize_rows_``              x (R*L floats) -> packed uint8 [R, row_bytes(L)]
 ``reorder_quantize_``           same, rows permuted by ZeRO++ Algorithm 2 (qgZ)
 ``dequantize_rows_``            packed [R, row_bytes(L)] -> out (R*L, fp32/bf16/fp16)
+``dequantize_add_rows_``        the same, added to what ``out`` holds (one rounding)
 ``dequant_reduce_quantize_``    packed [C, K, row_bytes] -> sum over C -> packed [K, ...]
 ``dequant_reduce_``             packed [C, K, row_bytes] -> sum over C / divisor -> out
 ==============================  =====================================================
@@ -185,6 +186,17 @@ def dequantize_rows_(packed, out, bits, block, hadamard=0, *, backend="auto") ->
     length = _rows_length(out.numel(), packed.shape[0], "dequantize_rows_")
     _check_row_bytes("packed", packed, length, bits, block)
     _impl("dequantize_rows_", out.device, backend)(packed, out, bits, block, hadamard)
+
+
+def dequantize_add_rows_(packed, out, bits, block, hadamard=0, *, backend="auto") -> None:
+    """``out = cast(decode(packed) + fp32(out))`` in one pass, one rounding (qWD's decode-and-add)."""
+    _check_float("out", out)
+    layout.check_bits_block(bits, block)
+    layout.check_hadamard(hadamard, block)
+    _check_packed("packed", packed, 2, out.device)
+    length = _rows_length(out.numel(), packed.shape[0], "dequantize_add_rows_")
+    _check_row_bytes("packed", packed, length, bits, block)
+    _impl("dequantize_add_rows_", out.device, backend)(packed, out, bits, block, hadamard)
 
 
 def dequant_reduce_quantize_(packed_in, packed_out, row_numel, bits_in, block_in, bits_out, block_out,

@@ -189,6 +189,17 @@ def dequantize_rows_(packed: torch.Tensor, out: torch.Tensor, bits: int, block: 
     out.copy_(y.reshape(out.shape))
 
 
+def dequantize_add_rows_(packed: torch.Tensor, out: torch.Tensor, bits: int, block: int, hadamard: int = 0) -> None:
+    """``out = cast(decoded + fp32(out))``: :func:`dequantize_rows_`'s fp32 decode (rotated back when ``hadamard``)
+    plus the values ``out`` holds, rounded once to its dtype (qWD adds weight differences to held weights)."""
+    layout.check_bits_block(bits, block)
+    layout.check_hadamard(hadamard, block)
+    rows = packed.shape[0]
+    length = out.numel() // rows if rows else 0
+    y = _rotated(_dequantize_matrix(packed.reshape(rows, -1), length, bits, block), hadamard)
+    out.copy_((y + out.reshape(rows, length).to(torch.float32)).reshape(out.shape))
+
+
 def _reduce_chunks(packed_in: torch.Tensor, length: int, bits: int, block: int) -> torch.Tensor:
     num_chunks, rows = packed_in.shape[0], packed_in.shape[1]
     acc = torch.zeros(rows, length, dtype=torch.float32, device=packed_in.device)

@@ -49,15 +49,15 @@ def check_weight_differences(args, policy_name: str) -> None:
     """Refuse qWD (``dp_param_difference``) where the weights it adds differences to are not the replicas' own
     copy: it needs the distributed optimizer's gathered parameter buffer, which the optimizer writes from its
     master weights (separate fp32 ones with --bf16/--fp16; with fp32 weights the owner's slice itself, kept
-    aside by the hooks while the replicas hold the decoded weights)."""
+    aside by the hooks while the replicas hold the decoded weights), or Megatron-FSDP's hpZ secondary copy."""
     def refuse(why: str) -> None:
         raise ConfigError(f"policy {policy_name!r}: --zpp-dp-param-difference (qWD) {why}")
 
     if getattr(args, "use_megatron_fsdp", False):
-        refuse("runs with the distributed optimizer, not yet with --use-megatron-fsdp (it frees the full weights, "
-               "so no replica holds a copy to add differences to); use --use-distributed-optimizer")
+        return  # on the hpZ secondary copy (fsdp.py), whatever the weights' dtype
     if not getattr(args, "use_distributed_optimizer", False):
-        refuse("gathers the distributed optimizer's weights; add --use-distributed-optimizer")
+        refuse("gathers the sharded weights of the distributed optimizer or Megatron-FSDP; add "
+               "--use-distributed-optimizer or --use-megatron-fsdp")
     if getattr(args, "use_precision_aware_optimizer", False) and getattr(args, "store_param_remainders", True):
         refuse("cannot run with --use-precision-aware-optimizer storing parameter remainders (Transformer "
                "Engine's FusedAdam rebuilds its master weights from the 16-bit weights, which qWD replaces)")

@@ -179,13 +179,16 @@ class DdpRouting:
             held = self._held_shards[self._bucket_key(output)] = HeldShard(input.numel(), input.dtype, input.device)
         return held
 
-    def resync_weights(self) -> None:
-        """The next weight gather of every bucket is in full precision (qWD): call on every rank when the weights
-        changed other than by an optimizer step (a checkpoint load), and every ``param_resync_interval``
-        iterations (``sync_iteration``). Without qWD there is nothing to do."""
+    def resync_weights(self, loaded: bool = False) -> None:
+        """The next weight gather of every bucket is in full precision (qWD): call on every rank with
+        ``loaded=True`` after the weights changed other than by an optimizer step (a checkpoint load); the hooks
+        call it every ``param_resync_interval`` iterations (``sync_iteration``). Without qWD there is nothing to
+        do. Only a load drops the owners' exact fp32 shards kept at the last gather: the loaded weights replace
+        them; a periodic resync lands between a gather and the step that must start from them."""
         for held in self._held_shards.values():
             held.invalidate()
-        self._exact_pending.clear()  # the loaded weights are exact: the shards kept before are stale
+        if loaded:
+            self._exact_pending.clear()
 
     # ------------------------------------------------------------------ fp32 weights: the optimizer's own shard
     # With fp32 weights Megatron's distributed optimizer keeps no separate master copy: its main parameters are

@@ -11,6 +11,11 @@ would set a block's scale); every DP replica decodes the same bytes, and a backw
 rows the forward gathered (hpZ keeps packed rows), never a stale copy (invalidated at every weight change, a
 gather from one raises); configurations whose reduction would bypass the routing are refused, not run
 uncompressed. Part of :class:`~megatron_zpp.megatron.hooks.MegatronHooks` (a mixin).
+
+qWD (``dp_param_difference``) here: every gather, forward and backward, is an intra-node gather of the hpZ
+copy, held in the weights' dtype; after each weight install (invalidated) the first gather of a bucket
+exchanges each shard's 4-bit difference across nodes to the ranks holding its copy
+(``hpz_weight_difference_all_gather``); the first gather ever, after a load or a resync, is full precision.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from megatron_zpp.comm import HpzShard, Topology, comm_timers, hpz_all_gather, quantized_all_gather
+from megatron_zpp.comm import (HeldShard, HpzShard, Topology, comm_timers, hpz_all_gather,
+                               hpz_weight_difference_all_gather, quantized_all_gather)
 from megatron_zpp.comm.wire import wire_format
 from megatron_zpp.megatron.ddp import PARAM_TAG
 
@@ -121,23 +127,48 @@ class FsdpRouting:
             self._saved_fsdp = None
 
     # ------------------------------------------------------------------ routing
+    def _difference_state(self, pipeline, bucket_id: int, shard_input, topo: Topology) -> tuple[HpzShard, HeldShard]:
+        """qWD on Megatron-FSDP: the bucket's hpZ secondary copy in the weights' dtype, and this rank's held
+        shard (what every replica holds of its own shard)."""
+        key = ("qwd", id(pipeline), bucket_id)
+        shard = self._hpz_shards.get(key)
+        if shard is None or shard.shard_numel != shard_input.numel() or shard.dtype != shard_input.dtype:
+            shard = self._hpz_shards[key] = HpzShard(topo, shard_input.numel(), shard_input.dtype, "none",
+                                                     device=shard_input.device)
+            self._held_shards.pop(key, None)  # a new copy is filled by a full-precision gather
+        held = self._held_shards.get(key)
+        if held is None:
+            held = self._held_shards[key] = HeldShard(shard_input.numel(), shard_input.dtype, shard_input.device)
+        return shard, held
+
     @contextlib.contextmanager
     def _route_fsdp_gather(self, pipeline, bucket_id: int, bwd: bool):
-        if self.policy.param_difference:
-            # Megatron-FSDP frees the full weights after use: no replica holds a base to add a difference to
-            # (issue 23 plans it on the hpZ secondary partition). hooks_from_args refuses the combination at
-            # start-up; this is the backstop for hooks built otherwise.
-            raise ValueError(f"policy {self.policy.name!r}: dp_param_difference (qWD) runs with the distributed "
-                              "optimizer only (--use-distributed-optimizer), not yet with --use-megatron-fsdp; "
-                              "drop --zpp-dp-param-difference there")
         hooks = self
         original = dist.all_gather_into_tensor
         codec = self.codec("dp.param")
+        # qWD: every gather, forward and backward, comes from the hpZ copy, which a 4-bit difference exchange
+        # refreshes once per weight update ("none": the divergence guard suspended it: plain gathers, and a
+        # full-precision resync when it ends).
+        difference = self.policy.param_difference and codec != "none"
 
         def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
             if hooks._is_private(group):  # our own collectives' inner calls
                 return original(output_tensor, input_tensor, group=group, async_op=async_op)
             tag = PARAM_BWD_TAG if bwd else PARAM_TAG
+            if hooks.policy.param_difference and not difference:
+                hooks._held_shards.pop(("qwd", id(pipeline), bucket_id), None)
+            if difference:
+                topo = hooks.topology(group, hpz=True)
+                wbuf = pipeline.get_fsdp_buffer(bucket_id, bwd)
+                _zero_padding(input_tensor, wbuf, wbuf.shard_bucket_index.bucket_data_index)  # no garbage in a block
+                shard, held = hooks._difference_state(pipeline, bucket_id, input_tensor, topo)
+                handle = hpz_weight_difference_all_gather(output_tensor, input_tensor, shard, held, topo, codec=codec,
+                                                          async_op=True, tag=tag)
+                if not async_op:
+                    handle.wait()
+                    return None
+                hooks._pending_gathers[(id(pipeline), pipeline.get_bucket_key(bucket_id, bwd))] = handle
+                return handle
             if hooks._megatron_runs(codec) and not hooks.hpz_enabled:
                 hooks._record_torch(tag, "all_gather", group, input_tensor.numel() * input_tensor.element_size(),
                                     input_tensor.device)

@@ -168,6 +168,13 @@ def resolve_policy(config: ZppConfig) -> Policy:
         # the two hops run on one path: the fused kernels, or the codec interface (comm/any_codec.py)
         raise ConfigError(f"policy {name!r}: dp_grad_intra={intra!r} and dp.grad={codecs['dp.grad']!r} must both "
                           f"be blockwise ({', '.join(BLOCKWISE_CODECS[1:])}) or both not")
+    if intra is not None and intra != "none" and _family(intra) in BLOCKWISE_CODECS[1:] and \
+            _family(codecs["dp.grad"]) in BLOCKWISE_CODECS[1:]:
+        run, block = get_codec(intra).hadamard, get_codec(codecs["dp.grad"]).block
+        if run and block % run:
+            # qgZ rotates the node's partial sums back one inter-node block at a time (reduce_scatter.py)
+            raise ConfigError(f"policy {name!r}: dp_grad_intra={intra!r} rotates runs of {run}, which must divide "
+                              f"dp.grad's block {block} ({codecs['dp.grad']!r}); use hadamard= a divisor of {block}")
     if hpz != 1 and _family(codecs["dp.param"]) not in BLOCKWISE_CODECS:
         raise ConfigError(f"policy {name!r}: hpz_size={'node' if hpz is None else hpz} keeps the weight gather's "
                           f"packed rows, which needs dp.param in {', '.join(BLOCKWISE_CODECS)}; dp.param is "

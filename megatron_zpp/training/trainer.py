@@ -203,7 +203,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
 
             start_iteration = load_checkpoint(args, models, optimizer, scheduler, hooks, log=log, agreement=agreement)
             hooks.invalidate_secondary()
-            hooks.resync_weights()  # qWD: the loaded weights are gathered in full precision first
+            hooks.resync_weights(loaded=True)  # qWD: the loaded weights are gathered in full precision first
             _gather_loaded_fp32_weights(args, models, hooks)
 
         dp_rank = parallel_state.get_data_parallel_rank()
@@ -226,6 +226,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             watchdog.progress(args.curr_iteration + 1, faults.state["micro_batch"])
 
         losses = []
+        valid_curve: list[tuple[int, float]] = []  # (iteration, validation loss) of the evaluations during training
         valid_batches = None  # one validation stream for every evaluation, as Megatron-LM's
         if args.eval_iters:
             # The evaluations an earlier run made before iteration k consumed their samples (Megatron-LM
@@ -260,7 +261,10 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
                     model=models, num_microbatches=args.num_microbatches, seq_length=args.seq_length,
                     micro_batch_size=args.micro_batch_size, forward_only=False)
                 update_ok, grad_norm, _ = optimizer.step()
-            hooks.invalidate_secondary()  # also done by the weight-install hook; explicit for clarity
+            # No invalidate_secondary() here: Megatron-FSDP's weight install (hooked) invalidates the hpZ copies
+            # inside the step, and with --overlap-param-gather the step then prefetches the next forward's
+            # gathers, which may have refreshed them already (qWD's difference exchange does, at its progress
+            # point): invalidating again made qWD exchange a second difference for those buckets.
             if update_ok:  # as Megatron-LM: a skipped step (overflow, non-finite gradients) leaves the schedule
                 scheduler.step(increment=args.global_batch_size)
             if replica_check is not None:
@@ -294,6 +298,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
                 with watchdog.paused():
                     loss_now = _evaluate_during_training(args, models, valid_batches, forward_backward, device,
                                                          parallel_state, agreement)
+                valid_curve.append((done, loss_now))
                 if rank == 0:
                     log(f"> validation loss at iteration {done}: {loss_now:.6f}")
         logger.end_training()  # per-iteration bytes: the loop only, not the final sync and evaluation
@@ -313,6 +318,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         summary = logger.finish(losses, models, hooks, valid_loss=valid_loss,
                                 finite=_all_ranks_finite(optimizer, device), sharded=args.use_megatron_fsdp,
                                 replica_check=replica_check)
+        summary["valid_curve"] = valid_curve + ([(last_iteration, valid_loss)] if valid_loss is not None else [])
         summary["divergence_guard"] = guard.summary()
         summary["error_feedback_buckets"] = sorted(hooks._residuals)  # names of the buckets holding a residual
         summary["tokenizer"] = {"type": args.tokenizer_type, "vocab_size": tokenizer.vocab_size,
@@ -419,7 +425,7 @@ def _reload_after_divergence(args, models, optimizer, scheduler, hooks, guard, l
     reload_args.load = folder
     iteration = load_checkpoint(reload_args, models, optimizer, scheduler, hooks, log=log, agreement=agreement)
     hooks.invalidate_secondary()
-    hooks.resync_weights()
+    hooks.resync_weights(loaded=True)
     _gather_loaded_fp32_weights(args, models, hooks)
     log(f"[divergence guard] rank {dist.get_rank()}: reloaded {folder} at iteration {iteration}")
     return iteration

@@ -266,12 +266,13 @@ class RankWatchdog:
     def _published(self) -> tuple[list[int], str] | None:
         if not self.store.check(["verdict"]):
             return None
-        finder, ranks, detail = self.store.get("verdict").decode().split("|", 2)
+        finder, ranks, gone, detail = self.store.get("verdict").decode().split("|", 3)
         named = [int(r) for r in ranks.split(",") if r]
         self._last_finder, self._last_named = int(finder), named
-        if named != [int(finder)]:
-            # Ranks another rank found dead or hung: nobody waits for them to mark themselves exiting
-            # (``linger_if_store_host`` would otherwise sit out its whole bound for a rank that never will).
+        if gone == "1":
+            # Ranks another rank found dead (their heartbeat stopped): nobody waits for them to mark themselves
+            # exiting, which they never will (``linger_if_store_host`` would sit out its whole bound). A hung
+            # rank is alive: its watchdog reads the verdict and marks itself exiting, so it is waited for.
             self._gone |= set(named)
         # A rank reporting its own failure names itself already.
         return named, detail if named == [int(finder)] else f"{detail} (found by rank {finder})"
@@ -279,8 +280,10 @@ class RankWatchdog:
     def publish(self, detail: str, ranks: list[int] = ()) -> None:
         """Tell every rank's watchdog what failed (best effort: the store may be going down). The first
         verdict stays: every rank then tells the same story, the root cause rather than its consequences."""
+        # Whether the named ranks are dead (found by this rank's look at the heartbeats), not hung or failed alive.
+        gone = bool(ranks) and set(ranks) <= self._gone
         try:
-            self.store.compare_set("verdict", "", f"{self.rank}|{','.join(map(str, ranks))}|{detail}")
+            self.store.compare_set("verdict", "", f"{self.rank}|{','.join(map(str, ranks))}|{int(gone)}|{detail}")
         except Exception:  # noqa: BLE001
             pass
 

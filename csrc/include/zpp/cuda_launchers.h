@@ -17,8 +17,9 @@ void launch_quantize_rows(const void* x, FloatType type, uint8_t* packed, int64_
                           int64_t block, bool stochastic, uint64_t seed, bool reorder, int64_t nodes,
                           int64_t node_size, int64_t stages, cudaStream_t stream);
 
+// accumulate: out = cast(decoded + fp32(out)) (qWD's decode-and-add).
 void launch_dequantize_rows(const uint8_t* packed, void* out, FloatType type, int64_t rows, int64_t length, int bits,
-                            int64_t block, cudaStream_t stream);
+                            int64_t block, cudaStream_t stream, bool accumulate = false);
 
 // packed_in: [chunks][rows][row_bytes(length, bits_in, block_in)].
 void launch_dequant_reduce_quantize(const uint8_t* packed_in, uint8_t* packed_out, int64_t chunks, int64_t rows,
