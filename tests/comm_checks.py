@@ -801,6 +801,25 @@ def hpz_weight_difference_worker(dtype_name: str, codec: str, shard: int, steps:
             out.append({"step": step, "use": use, "resync": resync, "identical": identical, "worst": worst,
                         "inter": inter, "held_is_output": bool(torch.equal(held.value, output.view(size, shard)[rank]))})
         holds = [output.view(size, shard)[r].clone() for r in range(size)]
+    # Two gathers of the same stale copy dispatched before either is waited (the second waited first): one
+    # difference, applied once; both outputs the same, within the bound.
+    for r in range(size):
+        exact[r] += 1e-3 * torch.randn(shard, generator=gens[r])
+    secondary.invalidate()
+    mine = exact[rank].to(dtype)
+    targets = torch.stack([e.to(dtype) for e in exact]).float()
+    bases = torch.stack([h.float() for h in holds])
+    outputs = [torch.full((size * shard,), float("nan"), dtype=dtype) for _ in range(2)]
+    handles = [hpz_weight_difference_all_gather(o, mine, secondary, held, topo, codec=codec, async_op=True)
+               for o in outputs]
+    for h in reversed(handles):
+        h.wait()
+    step_bound = block_absmax(targets - bases, shard, block) / qmax * per_scale
+    got = outputs[0].view(size, shard).float()
+    bound = step_bound + torch.maximum(got.abs(), targets.abs()) * OUT_EPS[dtype] + step_bound * FP32_SLOP + 1e-30
+    overlapped = {"same": bool(torch.equal(outputs[0].float(), outputs[1].float())),
+                  "worst": float(((got - targets).abs() / bound).max()),
+                  "held_is_output": bool(torch.equal(held.value, outputs[1].view(size, shard)[rank]))}
     # A NaN in one owner's update reaches every replica, in that shard's block only.
     secondary.invalidate()
     mine = exact[rank].to(dtype)
@@ -810,4 +829,4 @@ def hpz_weight_difference_worker(dtype_name: str, codec: str, shard: int, steps:
     hpz_weight_difference_all_gather(output, mine, secondary, held, topo, codec=codec)
     nan_rows = torch.isnan(output.view(size, shard).float()).any(dim=1).tolist()
     return {"gathers": out, "nan_rows": nan_rows, "row_bytes": layout.row_bytes(shard, bits, block),
-            "secondary_bytes": secondary.nbytes}
+            "secondary_bytes": secondary.nbytes, "overlapped": overlapped}

@@ -217,7 +217,9 @@ class _CountedDifferenceGathers:
 
         self.original = ddp.weight_difference_all_gather
         self.original_hpz = fsdp.hpz_weight_difference_all_gather
-        self.counts = {"gathers": 0, "resyncs": 0, "exchanges": 0}
+        self.counts = {"gathers": 0, "resyncs": 0, "exchanges": 0, "second_exchanges": 0, "most_per_copy": 0}
+        exchanged_at: dict[int, int] = {}  # id(hpZ copy) -> its generation (invalidations) at its last exchange
+        per_copy: dict[int, int] = {}
 
         def counting(output, input, held, *args, **kwargs):
             self.counts["gathers"] += 1
@@ -227,7 +229,13 @@ class _CountedDifferenceGathers:
         def counting_hpz(output, input, shard, held, *args, **kwargs):  # Megatron-FSDP: every gather comes here
             self.counts["gathers"] += 1
             self.counts["resyncs"] += not held.valid
-            self.counts["exchanges"] += held.valid and not shard.valid
+            if held.valid and not shard.valid:
+                self.counts["exchanges"] += 1
+                # a second exchange of one copy with no weight update between them
+                self.counts["second_exchanges"] += exchanged_at.get(id(shard)) == shard.generation
+                exchanged_at[id(shard)] = shard.generation
+                per_copy[id(shard)] = per_copy.get(id(shard), 0) + 1
+                self.counts["most_per_copy"] = max(per_copy.values())
             return self.original_hpz(output, input, shard, held, *args, **kwargs)
 
         ddp.weight_difference_all_gather = counting

@@ -260,7 +260,8 @@ def test_hpz_weight_difference_gather_for_zero3(nodes, per_node, hpz):
     update. Every replica gets the same bits at every gather; every row is within one quantization step of its
     owner's last difference (no accumulated error); the first gather after an update is the only one that
     crosses nodes (the packed difference rows), the others stay inside the node; a resync is exact; a NaN
-    reaches every replica; each rank holds size / hpz shards in the weights' dtype."""
+    reaches every replica; each rank holds size / hpz shards in the weights' dtype; two gathers of one update
+    dispatched before either is waited apply its difference once."""
     shard, steps, resync_at = 3001, 6, 4
     world = nodes * per_node
     results = run_distributed(checks.hpz_weight_difference_worker, world, "bfloat16", "int4:block=2048", shard,
@@ -272,6 +273,8 @@ def test_hpz_weight_difference_gather_for_zero3(nodes, per_node, hpz):
         assert [g["resync"] for g in r["gathers"] if g["use"] == 0] == [s in (0, resync_at) for s in range(steps)]
         assert r["nan_rows"] == [True] + [False] * (world - 1)
         assert r["secondary_bytes"] == world // hpz * shard * 2
+        assert r["overlapped"]["same"] and r["overlapped"]["held_is_output"], r["overlapped"]
+        assert r["overlapped"]["worst"] <= 1.0, r["overlapped"]  # applied once: twice is ~2 steps off
     r = results[0]
     first = [g["inter"] for g in r["gathers"] if g["use"] == 0 and not g["resync"]]
     later = [g["inter"] for g in r["gathers"] if g["use"] > 0]

@@ -433,6 +433,8 @@ def test_weight_differences_keep_replicas_identical(layout):
             # exchange per bucket and weight update (5 updates, less those a resync replaced): a second one would
             # mean the copy was invalidated after the step's own prefetch had refreshed it.
             assert 3 * buckets <= counts["exchanges"] <= 5 * buckets < counts["gathers"], counts
+            # ... and no copy exchanged more often than the weights were updated (5)
+            assert counts["second_exchanges"] == 0 and counts["most_per_copy"] <= 5, counts
         else:
             # Per bucket: 2 full-precision gathers (its first, and at iteration 3), and one gather per
             # iteration (5), plus, with overlapped gathers, the one the last step's update dispatches.
@@ -457,6 +459,7 @@ def test_weight_differences_resync_after_a_checkpoint_load(tmp_path):
 
 @pytest.mark.parametrize("flags, says", [
     (["--bf16"], "add --use-distributed-optimizer or --use-megatron-fsdp"),
+    (["--use-megatron-fsdp", "--bf16", "--zpp-hpz-size", "1"], "--zpp-hpz-size 1 would hold the whole model"),
 ])
 def test_weight_differences_refuse_what_they_cannot_run_on(flags, says):
     """qWD adds differences to the replicas' copy of the sharded weights (the distributed optimizer's gathered

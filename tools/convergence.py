@@ -105,12 +105,13 @@ def sdp4bit_args(model: str, steps: int, seed: int, eval_every: int, ranks_per_n
         "--zpp-ranks-per-node", str(ranks_per_node)]
 
 
-def _sdp4bit_worker(model: str, steps: int, seeds: int, eval_every: int, ranks_per_node: int, stress: bool) -> dict:
+def _sdp4bit_worker(model: str, steps: int, seeds: int, eval_every: int, ranks_per_node: int, stress: bool,
+                    runs: list[str]) -> dict:
     import torch.distributed as dist
 
     from megatron_zpp.training.trainer import pretrain
 
-    plans = [(name, flags, 1.0) for name, flags in SDP4BIT_RUNS.items()]
+    plans = [(name, flags, 1.0) for name, flags in SDP4BIT_RUNS.items() if name in runs]
     if stress:
         plans += [(name, flags, 4.0) for name, flags in STRESS_RUNS.items()]
     results: dict = {}
@@ -130,15 +131,19 @@ def _sdp4bit_worker(model: str, steps: int, seeds: int, eval_every: int, ranks_p
 def sdp4bit_main(args) -> None:
     import statistics
 
+    runs = list(SDP4BIT_RUNS) if args.runs is None else args.runs.split(",")
+    unknown = [r for r in runs if r not in SDP4BIT_RUNS]
+    if unknown or "none" not in runs:
+        raise SystemExit(f"--runs {args.runs!r}: valid runs: {', '.join(SDP4BIT_RUNS)} (none is required: the "
+                         "gaps are against it)")
     results = run_distributed(_sdp4bit_worker, args.nproc, args.model, args.steps, args.seeds, args.eval_every,
-                              args.ranks_per_node, args.stress, ranks_per_node=args.ranks_per_node,
+                              args.ranks_per_node, args.stress, runs, ranks_per_node=args.ranks_per_node,
                               timeout_s=4 * 3600, wall_limit_s=12 * 3600)[0]
     finals = {name: [r["valid_loss"] for r in runs] for name, runs in results.items()}
     base = finals["none"]
     base_mean = statistics.mean(base)
     spread = max(base) - min(base)
-    print(f"
-sdp4bit study: model {args.model}, {args.steps} iterations, seeds {args.seeds}, distributed optimizer "
+    print(f"\nsdp4bit study: model {args.model}, {args.steps} iterations, seeds {args.seeds}, distributed optimizer "
           f"(fp32, both overlap flags), {args.nproc} ranks as {args.nproc // args.ranks_per_node} nodes x "
           f"{args.ranks_per_node}; final validation LM loss")
     print(f"`none`'s seed-to-seed spread (max - min): {spread:.5f} ({100 * spread / base_mean:.3f}%)")
@@ -222,6 +227,7 @@ def main() -> None:
     p.add_argument("--model", choices=sorted(MODELS), default="train", help="sdp4bit: the model")
     p.add_argument("--eval-every", type=int, default=50, help="sdp4bit: iterations between validations")
     p.add_argument("--stress", action="store_true", help="sdp4bit: add the 4x learning-rate Hadamard pair")
+    p.add_argument("--runs", default=None, help="sdp4bit: comma-separated subset of the runs (default: all five)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--ranks-per-node", type=int, default=2)

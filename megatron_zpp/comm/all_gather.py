@@ -68,10 +68,13 @@ class HpzShard:
         self.row_bytes = _row_bytes(self.format, shard_numel, dtype)
         self.payload = torch.empty(self.rows, self.row_bytes, dtype=torch.uint8, device=device)
         self.valid = False
+        self.generation = 0  # invalidations so far: a refresh dispatched before one must not mark the copy fresh
+        self.refreshing = None  # qWD: the handle of a difference exchange whose update has not run yet
 
     def invalidate(self) -> None:
         """Mark the copy stale (call after every change of the weights: optimizer step, checkpoint load)."""
         self.valid = False
+        self.generation += 1
 
     @property
     def nbytes(self) -> int:
@@ -371,6 +374,12 @@ def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, 
     if not fmt.blockwise:
         raise ValueError(f"{what}: codec {fmt.spec!r} is not a blockwise quantizer; valid: int4, int8")
     agree(topology, what, codec=fmt.spec, dtype=str(input.dtype), hpz=topology.hpz_size)
+    if hpz_shard.refreshing is not None:
+        # An exchange dispatched earlier has not updated the copy and ``held`` yet (its update runs at the next
+        # progress point): finish it first, or this call would send the same difference again and apply it
+        # twice. The same on every rank, as both calls are.
+        pending, hpz_shard.refreshing = hpz_shard.refreshing, None
+        pending.wait()
     if not held.valid:
         handle = quantized_all_gather(output, input, topology, codec="none", async_op=async_op, tag=tag,
                                       hpz_shard=hpz_shard)
@@ -396,6 +405,7 @@ def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, 
     scratch = groups.buffers.lease(input.device)
     me, rows = topology.rank, hpz_shard.rows
     first_row = topology.hpz_index * rows
+    generation = hpz_shard.generation
     gather_out = output.view(-1).view(torch.uint8)
     secondary = hpz_shard.payload.view(-1).view(input.dtype).view(rows, shard)
 
@@ -418,7 +428,9 @@ def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, 
                                            fmt.hadamard)
             # the owner's own shard, the same way: = the holders' row of it, bit for bit
             codec_ops.dequantize_add_rows_(packed[me:me + 1], held.value, fmt.bits, fmt.block, fmt.hadamard)
-            hpz_shard.valid = True
+            hpz_shard.refreshing = None
+            # fresh, unless the weights changed again since the dispatch (then the next gather exchanges anew)
+            hpz_shard.valid = hpz_shard.generation == generation
             hop2.append(hpz.all_gather(gather_out, part))
 
         def finish() -> None:
@@ -426,4 +438,10 @@ def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, 
             scratch.release()
         return [middle], finish
 
-    return launch(groups.in_flight, stream, (input, output, held.value, hpz_shard.payload), first, async_op)
+    handle = launch(groups.in_flight, stream, (input, output, held.value, hpz_shard.payload), first, True)
+    if handle.steps_left():
+        hpz_shard.refreshing = handle
+    if async_op:
+        return handle
+    handle.wait()
+    return None

@@ -36,7 +36,7 @@ def hooks_from_args(args) -> MegatronHooks:
     # only inside pretrain() after this call, right after its initialize_model_parallel.
     policy = resolve_policy(zpp_config_from_args(args))
     if policy.param_difference:
-        check_weight_differences(args, policy.name)
+        check_weight_differences(args, policy.name, policy.hpz_size)
 
     def megatron_lm_iteration() -> tuple[int, int | None]:
         # train_iters: set by Megatron-LM from --train-iters, or from --train-samples inside pretrain().
@@ -45,7 +45,7 @@ def hooks_from_args(args) -> MegatronHooks:
     return MegatronHooks(policy, ranks_per_node=args.zpp_ranks_per_node, iteration_source=megatron_lm_iteration)
 
 
-def check_weight_differences(args, policy_name: str) -> None:
+def check_weight_differences(args, policy_name: str, hpz_size: int | None = None) -> None:
     """Refuse qWD (``dp_param_difference``) where the weights it adds differences to are not the replicas' own
     copy: it needs the distributed optimizer's gathered parameter buffer, which the optimizer writes from its
     master weights (separate fp32 ones with --bf16/--fp16; with fp32 weights the owner's slice itself, kept
@@ -54,7 +54,18 @@ def check_weight_differences(args, policy_name: str) -> None:
         raise ConfigError(f"policy {policy_name!r}: --zpp-dp-param-difference (qWD) {why}")
 
     if getattr(args, "use_megatron_fsdp", False):
-        return  # on the hpZ secondary copy (fsdp.py), whatever the weights' dtype
+        # On the hpZ secondary copy (fsdp.py), whatever the weights' dtype: each rank holds size / hpz_size
+        # shards of the weights, so hpZ over one rank would keep the whole model on every rank.
+        if hpz_size == 1:
+            refuse("on Megatron-FSDP keeps the weights in the hpZ secondary copy (size / hpz_size shards per "
+                   "rank): --zpp-hpz-size 1 would hold the whole model on every rank; use --zpp-hpz-size node "
+                   "(or a divisor of the ranks per node above 1)")
+        strategy = getattr(args, "data_parallel_sharding_strategy", "optim_grads_params")
+        if strategy != "optim_grads_params":
+            refuse(f"on Megatron-FSDP needs --data-parallel-sharding-strategy optim_grads_params (sharded weights); "
+                   f"with {strategy!r} the gathered buffer is the weights' own storage, which the held copy "
+                   "would overwrite")
+        return
     if not getattr(args, "use_distributed_optimizer", False):
         refuse("gathers the sharded weights of the distributed optimizer or Megatron-FSDP; add "
                "--use-distributed-optimizer or --use-megatron-fsdp")

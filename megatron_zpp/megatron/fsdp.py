@@ -131,6 +131,11 @@ class FsdpRouting:
         """qWD on Megatron-FSDP: the bucket's hpZ secondary copy in the weights' dtype, and this rank's held
         shard (what every replica holds of its own shard)."""
         key = ("qwd", id(pipeline), bucket_id)
+        if topo.hpz_size == 1 and topo.size > 1:  # one rank per node, or --zpp-hpz-size 1 set otherwise
+            raise ValueError(f"policy {self.policy.name!r}: qWD on Megatron-FSDP keeps the weights in the hpZ "
+                             f"secondary copy, {topo.size} shards per rank with an hpZ partition of 1 rank (the whole "
+                             "model on every rank); it needs ranks per node > 1 and --zpp-hpz-size node or > 1")
+        self._hpz_shards.pop((id(pipeline), bucket_id), None)  # the plain hpZ copy of a suspension (divergence guard)
         shard = self._hpz_shards.get(key)
         if shard is None or shard.shard_numel != shard_input.numel() or shard.dtype != shard_input.dtype:
             shard = self._hpz_shards[key] = HpzShard(topo, shard_input.numel(), shard_input.dtype, "none",
@@ -155,8 +160,9 @@ class FsdpRouting:
             if hooks._is_private(group):  # our own collectives' inner calls
                 return original(output_tensor, input_tensor, group=group, async_op=async_op)
             tag = PARAM_BWD_TAG if bwd else PARAM_TAG
-            if hooks.policy.param_difference and not difference:
+            if hooks.policy.param_difference and not difference:  # suspended: resync when qWD resumes
                 hooks._held_shards.pop(("qwd", id(pipeline), bucket_id), None)
+                hooks._hpz_shards.pop(("qwd", id(pipeline), bucket_id), None)
             if difference:
                 topo = hooks.topology(group, hpz=True)
                 wbuf = pipeline.get_fsdp_buffer(bucket_id, bwd)
