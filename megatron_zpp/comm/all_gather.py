@@ -246,6 +246,33 @@ class HeldShard:
         return self.value.numel() * self.value.element_size()
 
 
+def _check_difference_gather(output, input, held: HeldShard, topology: Topology, what: str) -> tuple[int, int]:
+    """The argument checks of both qWD gathers; returns ``(size, shard)``."""
+    check_pair(output, input, what)
+    check_float("input", input, what)
+    size, shard = topology.size, input.numel()
+    if output.numel() != size * shard:
+        raise ValueError(f"{what}: output has {output.numel()} elements; group size {size} x input {shard} = "
+                         f"{size * shard}")
+    if held.value.numel() != shard or held.value.dtype != input.dtype or held.value.device != input.device:
+        raise ValueError(f"{what}: held shard is {held.value.numel()} {held.value.dtype} on {held.value.device}; "
+                         f"the input is {shard} {input.dtype} on {input.device}")
+    return size, shard
+
+
+def _send_difference(input, held: HeldShard, fmt: WireFormat, scratch, flat, size: int, rb: int, me: int, tag: str):
+    """qWD's first step: quantize ``input - held`` (fp32) into one packed row and all-gather every rank's
+    (``gathered``: ``size`` rows of ``rb`` bytes). Returns ``(gathered, work)``."""
+    payload = scratch.take(rb)
+    gathered = scratch.take(size * rb)
+    with comm_timers().codec():
+        difference = scratch.take(input.numel() * 4).view(torch.float32)
+        torch.sub(input.view(-1).float(), held.value.float(), out=difference)
+    codec_ops.quantize_rows_(difference, payload.view(1, rb), fmt.bits, fmt.block, fmt.stochastic,
+                             fmt.seed(me, f"{tag}/qwd"), fmt.hadamard)
+    return gathered, flat.all_gather(gathered, payload)
+
+
 def weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, held: HeldShard, topology: Topology,
                                  codec: str | Codec | None = "int4:block=2048", async_op: bool = False,
                                  tag: str = "dp.param"):
@@ -273,15 +300,7 @@ def weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, held
         tag: byte-accounting tag.
     """
     what = "weight_difference_all_gather"
-    check_pair(output, input, what)
-    check_float("input", input, what)
-    size, shard = topology.size, input.numel()
-    if output.numel() != size * shard:
-        raise ValueError(f"{what}: output has {output.numel()} elements; group size {size} x input {shard} = "
-                         f"{size * shard}")
-    if held.value.numel() != shard or held.value.dtype != input.dtype or held.value.device != input.device:
-        raise ValueError(f"{what}: held shard is {held.value.numel()} {held.value.dtype} on {held.value.device}; "
-                         f"the input is {shard} {input.dtype} on {input.device}")
+    size, shard = _check_difference_gather(output, input, held, topology, what)
     fmt = wire_format(topology, codec, what)
     if not fmt.blockwise:
         raise ValueError(f"{what}: codec {fmt.spec!r} is not a blockwise quantizer; valid: int4, int8 "
@@ -307,14 +326,7 @@ def weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, held
     me = topology.rank
 
     def first():
-        payload = scratch.take(rb)
-        gathered = scratch.take(size * rb)
-        with comm_timers().codec():
-            difference = scratch.take(shard * 4).view(torch.float32)
-            torch.sub(input.view(-1).float(), held.value.float(), out=difference)
-        codec_ops.quantize_rows_(difference, payload.view(1, rb), fmt.bits, fmt.block, fmt.stochastic,
-                                 fmt.seed(me, f"{tag}/qwd"), fmt.hadamard)
-        work = flat.all_gather(gathered, payload)
+        gathered, work = _send_difference(input, held, fmt, scratch, flat, size, rb, me, tag)
 
         def finish() -> None:
             wait(work)
@@ -356,20 +368,12 @@ def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, 
     difference is taken against what the replicas hold. ``input``'s padding must be zero (or finite).
     """
     what = "hpz_weight_difference_all_gather"
-    check_pair(output, input, what)
-    check_float("input", input, what)
-    size, shard = topology.size, input.numel()
-    if output.numel() != size * shard:
-        raise ValueError(f"{what}: output has {output.numel()} elements; group size {size} x input {shard} = "
-                         f"{size * shard}")
+    size, shard = _check_difference_gather(output, input, held, topology, what)
     if hpz_shard.format.compressed or hpz_shard.shard_numel != shard or hpz_shard.dtype != input.dtype \
             or hpz_shard.topology._groups is not topology._groups:
         raise ValueError(f"{what}: hpz_shard must hold {shard} {input.dtype} elements per shard in the weights' "
                          f"dtype (codec 'none') on this topology; it has {hpz_shard.shard_numel} "
                          f"{hpz_shard.dtype} with codec {hpz_shard.format.spec!r}")
-    if held.value.numel() != shard or held.value.dtype != input.dtype or held.value.device != input.device:
-        raise ValueError(f"{what}: held shard is {held.value.numel()} {held.value.dtype} on {held.value.device}; "
-                         f"the input is {shard} {input.dtype} on {input.device}")
     fmt = wire_format(topology, codec, what)
     if not fmt.blockwise:
         raise ValueError(f"{what}: codec {fmt.spec!r} is not a blockwise quantizer; valid: int4, int8")
@@ -410,14 +414,7 @@ def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, 
     secondary = hpz_shard.payload.view(-1).view(input.dtype).view(rows, shard)
 
     def first():
-        payload = scratch.take(rb)
-        gathered = scratch.take(size * rb)
-        with comm_timers().codec():
-            difference = scratch.take(shard * 4).view(torch.float32)
-            torch.sub(input.view(-1).float(), held.value.float(), out=difference)
-        codec_ops.quantize_rows_(difference, payload.view(1, rb), fmt.bits, fmt.block, fmt.stochastic,
-                                 fmt.seed(me, f"{tag}/qwd"), fmt.hadamard)
-        work = flat.all_gather(gathered, payload)
+        gathered, work = _send_difference(input, held, fmt, scratch, flat, size, rb, me, tag)
         hop2: list = []
 
         def middle() -> None:

@@ -178,25 +178,23 @@ def reorder_quantize_(x, packed, bits, block, nodes, node_size, stages=1, stocha
         x, packed, bits, block, nodes, node_size, stages, stochastic, _seed64(seed), hadamard)
 
 
-def dequantize_rows_(packed, out, bits, block, hadamard=0, *, backend="auto") -> None:
+def _decode_op(name: str, packed, out, bits, block, hadamard, backend) -> None:
     _check_float("out", out)
     layout.check_bits_block(bits, block)
     layout.check_hadamard(hadamard, block)
     _check_packed("packed", packed, 2, out.device)
-    length = _rows_length(out.numel(), packed.shape[0], "dequantize_rows_")
+    length = _rows_length(out.numel(), packed.shape[0], name)
     _check_row_bytes("packed", packed, length, bits, block)
-    _impl("dequantize_rows_", out.device, backend)(packed, out, bits, block, hadamard)
+    _impl(name, out.device, backend)(packed, out, bits, block, hadamard)
+
+
+def dequantize_rows_(packed, out, bits, block, hadamard=0, *, backend="auto") -> None:
+    _decode_op("dequantize_rows_", packed, out, bits, block, hadamard, backend)
 
 
 def dequantize_add_rows_(packed, out, bits, block, hadamard=0, *, backend="auto") -> None:
     """``out = cast(decode(packed) + fp32(out))`` in one pass, one rounding (qWD's decode-and-add)."""
-    _check_float("out", out)
-    layout.check_bits_block(bits, block)
-    layout.check_hadamard(hadamard, block)
-    _check_packed("packed", packed, 2, out.device)
-    length = _rows_length(out.numel(), packed.shape[0], "dequantize_add_rows_")
-    _check_row_bytes("packed", packed, length, bits, block)
-    _impl("dequantize_add_rows_", out.device, backend)(packed, out, bits, block, hadamard)
+    _decode_op("dequantize_add_rows_", packed, out, bits, block, hadamard, backend)
 
 
 def dequant_reduce_quantize_(packed_in, packed_out, row_numel, bits_in, block_in, bits_out, block_out,
