@@ -19,7 +19,9 @@ def test_collectives_match_torch_and_codec_bounds(nodes, per_node):
     assert all(0 < v <= 1 for v in worst.values()), worst
 
 
-@pytest.mark.parametrize("nodes,per_node", [(2, 2), (2, 4), (1, 4), (4, 1)], ids=["2x2", "2x4", "1x4", "4x1"])
+@pytest.mark.parametrize("nodes,per_node", [(2, 2), pytest.param(2, 4, marks=pytest.mark.slow),
+                                             pytest.param(1, 4, marks=pytest.mark.slow), (4, 1)],
+                         ids=["2x2", "2x4", "1x4", "4x1"])
 def test_qgz_with_hadamard_smoothing_is_within_the_rotated_bound_and_beats_plain_int4(nodes, per_node):
     """SDP4Bit's two levels: INT8/512 inside the node, INT4/128 rotated in runs of 32 across it (one node: the
     INT8 hop alone, unrotated; one rank per node: the rotated INT4 hops alone); also both hops rotated (the
@@ -254,7 +256,8 @@ def test_weight_difference_gather_keeps_replicas_identical_and_error_bounded(dty
         assert r["row_bytes"] / r["qwz_row_bytes"] <= 0.55
 
 
-@pytest.mark.parametrize("nodes,per_node,hpz", [(2, 2, 2), (2, 4, 2)], ids=["2x2-hpz2", "2x4-hpz2"])
+@pytest.mark.parametrize("nodes,per_node,hpz", [(2, 2, 2), pytest.param(2, 4, 2, marks=pytest.mark.slow)],
+                         ids=["2x2-hpz2", "2x4-hpz2"])
 def test_hpz_weight_difference_gather_for_zero3(nodes, per_node, hpz):
     """qWD on the hpZ secondary copy (issue 23, Megatron-FSDP): 6 updates, a resync at step 4, three gathers per
     update. Every replica gets the same bits at every gather; every row is within one quantization step of its

@@ -381,7 +381,8 @@ def test_replicas_compute_with_identical_weights_at_every_use(layout):
 
 
 @pytest.mark.parametrize("layout,policy", [
-    ("distopt", "zeropp"), ("distopt-overlap-both", "zeropp"), ("distopt-overlap-both", "sdp4bit"),
+    pytest.param("distopt", "zeropp", marks=pytest.mark.slow), ("distopt-overlap-both", "zeropp"),
+    pytest.param("distopt-overlap-both", "sdp4bit", marks=pytest.mark.slow),
     # a periodic full-precision resync lands between a gather and the step: the exact shards must survive it
     ("distopt", "sdp4bit-resync2"),
 ])
