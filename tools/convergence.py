@@ -153,7 +153,7 @@ def sdp4bit_main(args) -> None:
         ref = statistics.mean(finals["stress: none"]) if name.startswith("stress") else base_mean
         mean = statistics.mean(values)
         gap = mean - ref
-        mb = statistics.mean(r["inter_bytes"] for r in results[name]) / 1e6
+        mb = statistics.mean(r["inter_bytes"] for r in results[name]) / 1e6 / args.steps  # summary: the whole run
         within = "yes" if abs(gap) <= spread else "no"
         print(f"| {name} | {mean:.5f} | {min(values):.5f} | {max(values):.5f} | {gap:+.5f} ({100 * gap / ref:+.3f}%) "
               f"| {within} | {mb:.3f} |")
