@@ -835,3 +835,44 @@ def test_dequantize_add_is_the_decode_plus_the_held_values_rounded_once(kernel_d
     assert torch.equal(got, (decoded + base.float()).to(torch.bfloat16))
     twice = (ops.dequantize(q, (rows * length,), torch.bfloat16, bits, block).float() + base.float()).to(torch.bfloat16)
     assert not torch.equal(got, twice)  # the sample is large enough for double rounding to show
+
+
+def _near_tie_block(bits: int, block: int, c: float) -> torch.Tensor:
+    """One block whose quotients x / scale sit 0 to 3 ulps from half-integers: the first value is qmax * c, so
+    scale ~= c, and the others are fl((k + 0.5) * c) nudged by -3..3 ulps. Multiplying by fl(1 / scale) instead
+    of dividing lands on the other side of such a tie for some of them."""
+    qmax = 127 if bits == 8 else 7
+    n = block - 1
+    k = torch.arange(n) % (2 * qmax) - qmax
+    x = ((k.double() + 0.5) * c).float()
+    steps = torch.arange(n) % 7 - 3
+    for _ in range(3):
+        up, down = steps > 0, steps < 0
+        x = torch.where(up, torch.nextafter(x, torch.tensor(math.inf)), x)
+        x = torch.where(down, torch.nextafter(x, torch.tensor(-math.inf)), x)
+        steps = steps - up.long() + down.long()
+    return torch.cat([torch.tensor([qmax * c], dtype=torch.float32), x])
+
+
+@pytest.mark.parametrize("cpu_isa", CPU_ISAS, indirect=True)
+@pytest.mark.parametrize("bits,block", [(8, 256), (4, 128), (8, 2048)])
+def test_quotients_next_to_ties_round_as_the_division_does(cpu_isa, bits, block):
+    """The AVX2 quantize loop takes x / scale from a multiply by the reciprocal where that provably rounds to the
+    same integer and redoes the rest with the division (csrc/cpu/quant_cpu_avx2.h, ReciprocalCodes). On blocks
+    built to sit next to ties, where the plain reciprocal gives other codes (checked here, so the sample can
+    catch a wrong fallback), quantize gives the reference's bytes, plain and Hadamard-rotated (the fused
+    dequant-reduce-quantize runs the same loop on its fp32 sums). The last block's scale is subnormal: there the
+    whole block takes the division."""
+    qmax = 127 if bits == 8 else 7
+    x = torch.cat([_near_tie_block(bits, block, c) for c in (1.1, 0.37, 3.3e-3, 7.77, 1e-30, 1e-39)])
+    blocks = x.view(-1, block)
+    scale = blocks.abs().amax(dim=1, keepdim=True) / torch.tensor(float(qmax))
+    by_division = torch.round((blocks / scale).clamp(-qmax, qmax))
+    by_reciprocal = torch.round((blocks * (torch.tensor(1.0) / scale)).clamp(-qmax, qmax))
+    assert (by_division != by_reciprocal).sum() > 0
+    for dtype in FLOAT_DTYPES:
+        xd = x.to(dtype)
+        got, want = (ops.quantize(xd, bits, block, backend=b) for b in ("kernel", "reference"))
+        assert torch.equal(got, want), dtype
+        got, want = (ops.quantize(xd, bits, block, hadamard=32, backend=b) for b in ("kernel", "reference"))
+        assert torch.equal(got, want), (dtype, "hadamard")

@@ -18,13 +18,31 @@
 // correctly rounded. tests/test_kernels.py checks every level against the
 // reference.
 //
-// Expects: ZPP_CPU_ISA_NS (namespace name), ZPP_CPU_ISA_F16C (0/1: may use F16C).
+// Expects: ZPP_CPU_ISA_NS (namespace name), ZPP_CPU_ISA_F16C (0/1: may use F16C),
+// ZPP_CPU_ISA_AVX2 (0/1: may use AVX2; the hand-written loops of quant_cpu_avx2.h).
 // Defines zpp::ZPP_CPU_ISA_NS::{quantize_rows, dequantize_rows,
 // dequant_reduce_quantize, dequant_reduce} (see CpuKernels in quant_cpu.cpp).
 
 namespace zpp {
 namespace ZPP_CPU_ISA_NS {
 namespace {
+
+#if ZPP_CPU_ISA_AVX2
+#include "quant_cpu_avx2.h"
+#endif
+
+// hadamard_range with the level's fastest run (AVX2 for runs of 8 or more); same bits.
+inline void hadamard_range_fast(float* v, int64_t n, int log2h) {
+#if ZPP_CPU_ISA_AVX2
+  if (avx2::rotate_applies(n, log2h)) return avx2::rotate(v, n, log2h, v);
+  if (log2h >= 3) {
+    const int64_t h = int64_t(1) << log2h;
+    for (int64_t r = 0; r + h <= n; r += h) avx2::hadamard_run(v + r, log2h);
+    return;
+  }
+#endif
+  hadamard_range(v, n, log2h);
+}
 
 template <typename T>
 inline float to_f32(T v) {
@@ -92,12 +110,18 @@ struct Rotated {
   std::vector<float> buf;
   float* operator()(const T* x, int64_t n, int log2h) {
     if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+#if ZPP_CPU_ISA_AVX2
+    if (avx2::rotate_applies(n, log2h)) {  // widened and rotated in registers, one pass
+      avx2::rotate(x, n, log2h, buf.data());
+      return buf.data();
+    }
+#endif
     if constexpr (std::is_same_v<T, float>) {
       std::memcpy(buf.data(), x, n * sizeof(float));
     } else {
       widen(x, n, buf.data());
     }
-    hadamard_range(buf.data(), n, log2h);
+    hadamard_range_fast(buf.data(), n, log2h);
     return buf.data();
   }
 };
@@ -277,6 +301,29 @@ inline void quantize_block(const T* __restrict__ x, int64_t n_runtime, int bits,
   }
 }
 
+// Quantize one block with the level's vector loop (quant_cpu_avx2.h) where it applies: nearest
+// rounding and n a multiple of 32. Returns false (writing nothing) where it does not; the caller then
+// runs quantize_block. Same bytes and scale as quantize_block.
+template <typename T>
+inline bool quantize_block_fast(const T* x, int64_t n, int bits, bool stochastic, float* scale_out, uint8_t* data) {
+#if ZPP_CPU_ISA_AVX2
+  if (stochastic || n % 32 != 0) return false;
+  bool nonfinite = false;
+  const float absmax = avx2::absmax(x, n, &nonfinite);
+  const float scale = block_scale(absmax, nonfinite, qmax_for_bits(bits));
+  *scale_out = scale;
+  if (!scale_is_usable(scale)) {  // zero block (exact) or non-finite block (decodes NaN)
+    std::memset(data, 0, n * bits / 8);
+  } else {
+    avx2::quantize_nearest(x, n, bits, scale, 1.0f / scale, data);
+  }
+  return true;
+#else
+  (void)x, (void)n, (void)bits, (void)stochastic, (void)scale_out, (void)data;
+  return false;
+#endif
+}
+
 template <bool kInt4Runs = false, typename T>
 inline void quantize_block_dispatch(const T* x, int64_t n, int64_t block, int bits, bool stochastic, uint64_t seed,
                                     uint64_t index0, float* scale, uint8_t* data) {
@@ -313,6 +360,29 @@ void quantize_rows_kernel(const T* x, uint8_t* packed, int64_t rows, int64_t len
     for (int64_t b = b0; b < b1; ++b) {
       uint8_t* row = packed + row_map(r) * rb;
       uint8_t* data = row + 4 * nb;
+#if ZPP_CPU_ISA_AVX2
+      // Up to 8 full blocks of this row at once (quantize_full_blocks), rotated first with Hadamard
+      // smoothing. Full blocks end on a multiple of 32 values: no data padding to zero.
+      if (!stochastic && block % 32 == 0 && (!log2h || avx2::rotate_applies(block, log2h))) {
+        const int64_t g = std::min<int64_t>({8, length / block - k, b1 - b});
+        if (g > 0) {
+          const T* src = x + r * length + k * block;
+          if (log2h) {
+            avx2::quantize_full_blocks(rotated(src, g * block, log2h), g, block, bits, row + 4 * k,
+                                       data + k * block * bits / 8);
+          } else {
+            avx2::quantize_full_blocks(src, g, block, bits, row + 4 * k, data + k * block * bits / 8);
+          }
+          b += g - 1;
+          k += g;
+          if (k == nb) {
+            k = 0;
+            ++r;
+          }
+          continue;
+        }
+      }
+#endif
       const int64_t e0 = k * block;
       const int64_t n = std::min(block, length - e0);
       float scale;
@@ -320,8 +390,11 @@ void quantize_rows_kernel(const T* x, uint8_t* packed, int64_t rows, int64_t len
         // Hadamard smoothing: the block's fp32 values rotated in a per-task copy, then the
         // widened-block code (runs start at block starts: h divides the block).
         float* v = rotated(x + r * length + e0, n, log2h);
-        quantize_block_dispatch<true>(v, n, block, bits, stochastic, seed, static_cast<uint64_t>(r * length + e0),
-                                      &scale, data + e0 * bits / 8);
+        if (!quantize_block_fast(v, n, bits, stochastic, &scale, data + e0 * bits / 8))
+          quantize_block_dispatch<true>(v, n, block, bits, stochastic, seed, static_cast<uint64_t>(r * length + e0),
+                                        &scale, data + e0 * bits / 8);
+      } else if (quantize_block_fast(x + r * length + e0, n, bits, stochastic, &scale, data + e0 * bits / 8)) {
+        // 16-bit inputs widened in registers, no staging buffer
       } else {
         quantize_block_dispatch<!std::is_same_v<T, float>>(wide(x + r * length + e0, n), n, block, bits, stochastic,
                                                            seed, static_cast<uint64_t>(r * length + e0), &scale,
@@ -350,6 +423,13 @@ inline void accumulate_row_range(const uint8_t* row, int64_t length, int bits, i
     const float s = load_scale(row, k);
     float* a = acc + (e - e0);
     const int64_t m = stop - e;
+#if ZPP_CPU_ISA_AVX2
+    if (m % 8 == 0 && e % 8 == 0) {
+      avx2::accumulate(data, e, m, bits, s, a);
+      e = stop;
+      continue;
+    }
+#endif
     if (bits == 8) {
       const int8_t* q = reinterpret_cast<const int8_t*>(data) + e;
       for (int64_t i = 0; i < m; ++i) a[i] = f32_add(a[i], f32_mul(static_cast<float>(q[i]), s));
@@ -369,6 +449,9 @@ inline void accumulate_row_range(const uint8_t* row, int64_t length, int bits, i
 
 // y[0..n) = decoded fp32 elements [e0, e0+n) of one block (e0 is a block start: even).
 inline void decode_block(const uint8_t* data, int64_t e0, int64_t n, int bits, float s, float* y) {
+#if ZPP_CPU_ISA_AVX2
+  if (n % 8 == 0 && e0 % 8 == 0) return avx2::decode(data, e0, n, bits, s, y);
+#endif
   if (bits == 8) {
     const int8_t* q = reinterpret_cast<const int8_t*>(data) + e0;
     for (int64_t i = 0; i < n; ++i) y[i] = f32_mul(static_cast<float>(q[i]), s);
@@ -402,7 +485,7 @@ void dequantize_rows_kernel(const uint8_t* packed, T* out, int64_t rows, int64_t
       if (log2h || accumulate) {
         rot.resize(n);
         decode_block(data, e0, n, bits, s, rot.data());
-        if (log2h) hadamard_range(rot.data(), n, log2h);
+        if (log2h) hadamard_range_fast(rot.data(), n, log2h);
         if (accumulate) {
           for (int64_t i = 0; i < n; ++i) y[i] = from_f32<T>(f32_add(rot[i], to_f32(y[i])));
         } else {
@@ -441,10 +524,21 @@ void reduce_chunks(const uint8_t* base, int64_t chunks, int64_t rows, int64_t rb
   const int64_t nb = num_blocks(length, block_out);
   at::parallel_for(0, rows * nb, grain_blocks(block_out), [&](int64_t b0, int64_t b1) {
     std::vector<float> acc(block_out);
+#if ZPP_CPU_ISA_AVX2
+    std::vector<const uint8_t*> row_ptrs(chunks);
+#endif
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t k = b / nb, j = b % nb;
       const int64_t e0 = j * block_out;
       const int64_t n = std::min(block_out, length - e0);
+#if ZPP_CPU_ISA_AVX2
+      if (block_in % 8 == 0 && block_out % 8 == 0 && n % 8 == 0) {
+        for (int64_t c = 0; c < chunks; ++c) row_ptrs[c] = base + (c * rows + k) * rb;
+        avx2::reduce_rows(row_ptrs.data(), chunks, length, bits_in, block_in, e0, n, acc.data());
+        emit(k, j, e0, n, acc.data());
+        continue;
+      }
+#endif
       std::fill(acc.begin(), acc.begin() + n, 0.0f);
       for (int64_t c = 0; c < chunks; ++c)  // fixed chunk order, as in the reference
         accumulate_row_range(base + (c * rows + k) * rb, length, bits_in, block_in, e0, n, acc.data());
@@ -500,14 +594,16 @@ void dequant_reduce_quantize(const uint8_t* packed_in, uint8_t* packed_out, int6
                   // Rotated in and out alike: the sum stays in the rotated domain (the transform is
                   // linear and its own inverse), so neither is applied.
                   if (log2h_in != log2h_out) {
-                    if (log2h_in) hadamard_range(acc, n, log2h_in);
-                    if (log2h_out) hadamard_range(acc, n, log2h_out);
+                    if (log2h_in) hadamard_range_fast(acc, n, log2h_in);
+                    if (log2h_out) hadamard_range_fast(acc, n, log2h_out);
                   }
                   uint8_t* row = packed_out + k * rb_out;
                   uint8_t* data = row + 4 * nb_out;
                   float scale;
-                  quantize_block_dispatch(acc, n, block_out, bits_out, stochastic, seed,
-                                          static_cast<uint64_t>(k * row_numel + e0), &scale, data + e0 * bits_out / 8);
+                  if (!quantize_block_fast(acc, n, bits_out, stochastic, &scale, data + e0 * bits_out / 8))
+                    quantize_block_dispatch(acc, n, block_out, bits_out, stochastic, seed,
+                                            static_cast<uint64_t>(k * row_numel + e0), &scale,
+                                            data + e0 * bits_out / 8);
                   store_scale(row, j, scale);
                   if (j == nb_out - 1 && padded > used) std::memset(data + used, 0, padded - used);
                 });
@@ -522,7 +618,7 @@ void dequant_reduce(const uint8_t* packed_in, void* out, CpuDtype dtype, int64_t
     reduce_chunks(packed_in, chunks, rows, rb, length, bits, block, block,
                   [&](int64_t k, int64_t, int64_t e0, int64_t n, float* acc) {
                     // Rows rotated on the way in: the fp32 sum is rotated back once (linearity).
-                    if (log2h) hadamard_range(acc, n, log2h);
+                    if (log2h) hadamard_range_fast(acc, n, log2h);
                     T* dst = y + k * length + e0;
 #if ZPP_CPU_ISA_F16C
                     if constexpr (std::is_same_v<T, c10::Half>) {

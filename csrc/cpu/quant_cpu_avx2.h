@@ -1,0 +1,382 @@
+// AVX2 loops for the hot paths of the blocked INT8/INT4 CPU kernels: nearest-rounding quantization
+// of whole blocks, decode-and-accumulate, and the Hadamard rotation.
+//
+// NO include guard: quant_cpu_isa.h includes this inside each AVX2-capable level's namespace (x86-64-v3,
+// x86-64-v4), so it is compiled with that level's `#pragma GCC target`.
+//
+// Why by hand: GCC vectorizes the scalar loops of quant_cpu_isa.h only in part. It keeps the INT4
+// pair loops and the 16-bit widening scalar, and with a runtime block length it runs the INT8
+// quantize loop at about 1.5 cycles per value; tools/bench_codecs.py measured bf16 quantize at
+// 0.3-0.4x memcpy that way.
+//
+// Same bits as the scalar code. Lane i of every vector computes the scalar expression for element i
+// (zpp/quant_math.h) with the same IEEE fp32 operations in the same order: min/max clamps (no NaN
+// can reach them: a block with a NaN or Inf never gets here), the 1.5 * 2^23 add/subtract rounding,
+// and a truncating convert of a value that is already an integer. The one exception is the
+// quotient x / scale, which quantize_nearest gets from a multiply by the reciprocal where that
+// provably rounds to the same integer, and from the division itself everywhere else (the proof is
+// at ReciprocalCodes). No FMA: -ffp-contract=off holds for
+// intrinsics too, and each mul/add here is a separate intrinsic. The widenings are exact: bf16 is
+// the top half of an fp32, and vcvtph2ps converts fp16 exactly. tests/test_kernels.py checks every
+// level against the reference: block sizes that take these loops (multiples of 32) and ones that
+// fall back to the scalar code.
+
+namespace avx2 {
+
+// ---- 8 input values widened to fp32 ----
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const c10::BFloat16* x) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const c10::Half* x) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+}
+
+inline uint32_t hmax_epu32(__m256i v) {
+  __m128i m = _mm_max_epu32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(1, 0, 3, 2)));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(2, 3, 0, 1)));
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(m));
+}
+inline uint32_t hmax_epu16(__m256i v) {
+  __m128i m = _mm_max_epu16(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  m = _mm_max_epu16(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(1, 0, 3, 2)));
+  m = _mm_max_epu16(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(2, 3, 0, 1)));
+  m = _mm_max_epu16(m, _mm_srli_epi32(m, 16));
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(m)) & 0xffffu;
+}
+
+// absmax of n values (n a multiple of 32) and whether one was NaN/Inf: the integer maximum of the
+// magnitude bits, as block_absmax does. 16-bit inputs compare their own 16-bit magnitudes (16 per
+// vector); widening is monotone on magnitudes, so the widened maximum is the block's fp32 absmax.
+inline float absmax(const float* x, int64_t n, bool* nonfinite) {
+  const __m256i mask = _mm256_set1_epi32(0x7fffffff);
+  __m256i m0 = _mm256_setzero_si256(), m1 = m0, m2 = m0, m3 = m0;
+  for (int64_t i = 0; i < n; i += 32) {
+    const __m256i* p = reinterpret_cast<const __m256i*>(x + i);
+    m0 = _mm256_max_epu32(m0, _mm256_and_si256(_mm256_loadu_si256(p), mask));
+    m1 = _mm256_max_epu32(m1, _mm256_and_si256(_mm256_loadu_si256(p + 1), mask));
+    m2 = _mm256_max_epu32(m2, _mm256_and_si256(_mm256_loadu_si256(p + 2), mask));
+    m3 = _mm256_max_epu32(m3, _mm256_and_si256(_mm256_loadu_si256(p + 3), mask));
+  }
+  const uint32_t b = hmax_epu32(_mm256_max_epu32(_mm256_max_epu32(m0, m1), _mm256_max_epu32(m2, m3)));
+  *nonfinite = b >= 0x7f800000u;
+  float r;
+  std::memcpy(&r, &b, 4);
+  return r;
+}
+inline uint32_t absmax_bits16(const void* x, int64_t n) {
+  const __m256i mask = _mm256_set1_epi16(0x7fff);
+  __m256i m0 = _mm256_setzero_si256(), m1 = m0;
+  for (int64_t i = 0; i < n; i += 32) {
+    const __m256i* p = reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(x) + i);
+    m0 = _mm256_max_epu16(m0, _mm256_and_si256(_mm256_loadu_si256(p), mask));
+    m1 = _mm256_max_epu16(m1, _mm256_and_si256(_mm256_loadu_si256(p + 1), mask));
+  }
+  return hmax_epu16(_mm256_max_epu16(m0, m1));
+}
+inline float absmax(const c10::BFloat16* x, int64_t n, bool* nonfinite) {
+  const uint32_t b = absmax_bits16(x, n);
+  *nonfinite = b >= 0x7f80u;  // exponent all ones: Inf or NaN
+  const uint32_t w = b << 16;
+  float r;
+  std::memcpy(&r, &w, 4);
+  return r;
+}
+inline float absmax(const c10::Half* x, int64_t n, bool* nonfinite) {
+  const uint32_t b = absmax_bits16(x, n);
+  *nonfinite = b >= 0x7c00u;
+  return _cvtsh_ss(static_cast<unsigned short>(b));
+}
+
+// Nearest-rounded codes of 8 values: quantize_nearest_unchecked lane by lane.
+struct NearestCodes {
+  __m256 scale, hi, lo, magic, neg_magic;
+  NearestCodes(float s, float fqmax)
+      : scale(_mm256_set1_ps(s)), hi(_mm256_set1_ps(fqmax)), lo(_mm256_set1_ps(-fqmax)),
+        magic(_mm256_set1_ps(12582912.0f)), neg_magic(_mm256_set1_ps(-12582912.0f)) {}
+  __m256i operator()(__m256 x) const {
+    __m256 v = _mm256_div_ps(x, scale);
+    v = _mm256_min_ps(v, hi);  // v > qmax ? qmax : v (v == qmax gives qmax either way)
+    v = _mm256_max_ps(v, lo);
+    v = _mm256_add_ps(_mm256_add_ps(v, magic), neg_magic);  // round_nearest_even
+    return _mm256_cvttps_epi32(v);                           // exact: v is an integer
+  }
+};
+
+// The same codes without a division where that is provably exact. vdivps is the bottleneck of the
+// loop above: measured here at about 3 ns per 8 values, which caps one core at ~2.5 G values/s.
+//
+// Let z = fl(x / s), the quotient the contract rounds, and y = fl(x * fl(1 / s)). With s a normal
+// fp32 (s >= FLT_MIN, so 1 / s is finite and normal), each of the two roundings in y is relative
+// 2^-24, so |y - x/s| <= |x/s| * (2^-23 + 2^-48); and |z - x/s| <= ulp(z) / 2. Since
+// s = fl(absmax / qmax), |x/s| <= qmax * (1 + 2^-23), so for qmax <= 127: |y - z| < 1.6e-5 + 3.9e-6
+// < 2^-15. (A result in the subnormal range has an absolute error below 2^-149.) The code is
+// round-to-nearest-even of the clamped quotient, and clamping to the integers +-qmax commutes with
+// rounding to an integer. So if y is more than kNearHalf = 2^-14 from every half-integer, no
+// half-integer lies between y and z: both round to the same integer, and the clamp keeps them
+// equal. Vectors with a lane within kNearHalf of a half-integer (about 1 in 8000 lanes of random
+// data, more for values built to sit on ties) are redone with the division. Where s is subnormal
+// the whole block uses the division.
+struct ReciprocalCodes {
+  static constexpr float kNearHalf = 0.5f - 1.0f / 16384.0f;  // |y - rne(y)| above this: too close
+  __m256 inv, hi, lo, magic, neg_magic, abs_mask, near_half;
+  __m256i qhi, qlo;
+  ReciprocalCodes(float inverse_scale, float fqmax)  // inverse_scale = fl(1 / s)
+      : inv(_mm256_set1_ps(inverse_scale)), hi(_mm256_set1_ps(fqmax)), lo(_mm256_set1_ps(-fqmax)),
+        magic(_mm256_set1_ps(12582912.0f)), neg_magic(_mm256_set1_ps(-12582912.0f)),
+        abs_mask(_mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))), near_half(_mm256_set1_ps(kNearHalf)),
+        qhi(_mm256_set1_epi32(static_cast<int>(fqmax))), qlo(_mm256_set1_epi32(-static_cast<int>(fqmax))) {}
+  // Codes of 8 values; lanes too close to a tie set their bits in *near.
+  __m256i operator()(__m256 x, __m256* near) const {
+    const __m256 y = _mm256_mul_ps(x, inv);
+    const __m256i q = _mm256_cvtps_epi32(y);  // round to nearest even (MXCSR default, as round_nearest_even)
+    const __m256 r = _mm256_cvtepi32_ps(q);
+    *near = _mm256_or_ps(*near, _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(y, r), abs_mask), near_half, _CMP_GT_OQ));
+    return _mm256_max_epi32(_mm256_min_epi32(q, qhi), qlo);
+  }
+};
+
+// 32 values as four fp32 vectors. fp32 and fp16 come in element order (0-7, 8-15, 16-23, 24-31).
+// bf16 is widened with one in-lane unpack per vector (a bf16 is the top half of its fp32), which
+// leaves the elements lane-interleaved: [0-3 | 8-11], [4-7 | 12-15], [16-19 | 24-27], [20-23 | 28-31].
+// Codes do not depend on a value's lane; pack32_int8 puts them back in element order.
+template <typename T>
+constexpr bool kInterleaved = std::is_same_v<T, c10::BFloat16>;
+template <typename T>
+inline void load32(const T* x, __m256 v[4]) {
+  for (int j = 0; j < 4; ++j) v[j] = load8(x + 8 * j);
+}
+inline void load32(const c10::BFloat16* x, __m256 v[4]) {
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
+  v[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, a));
+  v[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, a));
+  v[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, b));
+  v[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, b));
+}
+
+// 32 int32 codes, as load32 laid them out -> 32 int8 in element order.
+template <bool kFromInterleaved>
+inline __m256i pack32_int8(__m256i a, __m256i b, __m256i c, __m256i d) {
+  // packs work per 128-bit lane. In element order (x0 = the low four values of x, x1 the high
+  // four) the bytes come out as dwords a0 b0 c0 d0 | a1 b1 c1 d1: one dword permute restores the
+  // order. Interleaved, they come out as qwords 0-7, 16-23 | 8-15, 24-31: one qword permute.
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+  if constexpr (kFromInterleaved) return _mm256_permute4x64_epi64(bytes, _MM_SHUFFLE(3, 1, 2, 0));
+  return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// 32 int8 codes in [-7, 7] -> 16 bytes of nibble pairs (pack_int4: element 2i low, 2i+1 high).
+inline __m128i pack32_int4(__m256i bytes) {
+  // Per 16-bit word w = e[2i] | e[2i+1] << 8: (w & 0x0f) | ((w >> 4) & 0xf0), then narrowed.
+  const __m256i lo = _mm256_and_si256(bytes, _mm256_set1_epi16(0x000f));
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi16(0x00f0));
+  const __m256i w = _mm256_or_si256(lo, hi);
+  return _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+}
+
+// Codes of n values (n a multiple of 32) of a block with usable scale, nearest rounding.
+// inverse_scale = fl(1 / scale).
+template <typename T>
+inline void quantize_nearest(const T* x, int64_t n, int bits, float scale, float inverse_scale, uint8_t* data) {
+  const float fqmax = static_cast<float>(qmax_for_bits(bits));
+  const NearestCodes exact(scale, fqmax);
+  const ReciprocalCodes fast(inverse_scale, fqmax);
+  const bool use_reciprocal = scale >= 1.17549435e-38f;  // FLT_MIN: s normal (ReciprocalCodes)
+  for (int64_t i = 0; i < n; i += 32) {
+    __m256 v[4];
+    load32(x + i, v);
+    __m256i q = _mm256_setzero_si256();
+    __m256 near = _mm256_setzero_ps();
+    if (use_reciprocal) {
+      q = pack32_int8<kInterleaved<T>>(fast(v[0], &near), fast(v[1], &near), fast(v[2], &near), fast(v[3], &near));
+    }
+    if (!use_reciprocal || _mm256_movemask_ps(near) != 0) {
+      q = pack32_int8<kInterleaved<T>>(exact(v[0]), exact(v[1]), exact(v[2]), exact(v[3]));
+    }
+    if (bits == 8) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(data + i), q);
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(data + i / 2), pack32_int4(q));
+    }
+  }
+}
+
+// Quantize g <= 8 consecutive full blocks of `block` values (a multiple of 32) of one row: their
+// scales to scales_out[0..g) (unaligned fp32), their codes to data. The blocks' absmax come first,
+// then their scales and reciprocals as one vector division each (block_scale lane by lane, NaN for
+// a block with a NaN/Inf), then the codes. Per block, the scale and its reciprocal are two
+// dependent scalar divisions the code loop waits for; for 8 blocks at once they cost two vector
+// divisions, and the absmax of the next blocks no longer waits behind them (measured: +20% for
+// INT4 at block 128, where a block is only four loop iterations).
+template <typename T>
+inline void quantize_full_blocks(const T* x, int64_t g, int64_t block, int bits, uint8_t* scales_out, uint8_t* data) {
+  alignas(32) float absmax_of[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  alignas(32) float scale_of[8], inverse_of[8];
+  int nonfinite_mask = 0;
+  for (int64_t j = 0; j < g; ++j) {
+    bool nonfinite = false;
+    absmax_of[j] = absmax(x + j * block, block, &nonfinite);
+    nonfinite_mask |= static_cast<int>(nonfinite) << j;
+  }
+  const int qmax = qmax_for_bits(bits);
+  __m256 scales = _mm256_div_ps(_mm256_load_ps(absmax_of), _mm256_set1_ps(static_cast<float>(qmax)));
+  if (nonfinite_mask) {
+    alignas(32) int32_t lanes[8];
+    for (int j = 0; j < 8; ++j) lanes[j] = (nonfinite_mask >> j) & 1 ? -1 : 0;
+    scales = _mm256_blendv_ps(scales, _mm256_set1_ps(block_scale(0.0f, true, qmax)),
+                              _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(lanes))));
+  }
+  _mm256_store_ps(scale_of, scales);
+  _mm256_store_ps(inverse_of, _mm256_div_ps(_mm256_set1_ps(1.0f), scales));
+  std::memcpy(scales_out, scale_of, 4 * g);
+  const int64_t block_bytes = block * bits / 8;
+  for (int64_t j = 0; j < g; ++j) {
+    uint8_t* d = data + j * block_bytes;
+    if (!scale_is_usable(scale_of[j])) {  // zero block (exact) or non-finite block (decodes NaN)
+      std::memset(d, 0, block_bytes);
+    } else {
+      quantize_nearest(x + j * block, block, bits, scale_of[j], inverse_of[j], d);
+    }
+  }
+}
+
+// 8 codes as fp32, starting at element i of the block's data (INT4: i a multiple of 8).
+inline __m256 codes8(const uint8_t* data, int64_t i, int bits) {
+  if (bits == 8)
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(data + i))));
+  // Elements i..i+7 are the nibbles of one little-endian 32-bit word, element i+j at bits 4j..4j+3:
+  // shift each to the top of its lane, then back arithmetically (sign-extends as unpack_int4_lo/hi).
+  uint32_t w;
+  std::memcpy(&w, data + i / 2, 4);
+  const __m256i to_top = _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0);
+  return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_sllv_epi32(_mm256_set1_epi32(static_cast<int>(w)), to_top), 28));
+}
+
+// acc[0..m) += decoded elements [e, e + m) of a block with scale s (e and m multiples of 8):
+// f32_add(acc, f32_mul(q, s)) lane by lane.
+inline void accumulate(const uint8_t* data, int64_t e, int64_t m, int bits, float s, float* acc) {
+  const __m256 sv = _mm256_set1_ps(s);
+  for (int64_t i = 0; i < m; i += 8)
+    _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), _mm256_mul_ps(codes8(data, e + i, bits), sv)));
+}
+
+// acc[0..n) = the sum over C packed rows of their decoded elements [e0, e0 + n), in row order from
+// 0.0f as the reference sums (acc = 0; acc = acc + q_c * s_c): the running sum stays in a register
+// instead of making C passes over acc. rows[c] is row c's start; e0, n and block multiples of 8, so
+// each 8 values share one scale per row.
+inline void reduce_rows(const uint8_t* const* rows, int64_t chunks, int64_t length, int bits, int64_t block,
+                        int64_t e0, int64_t n, float* acc) {
+  const int64_t nb = num_blocks(length, block);
+  for (int64_t e = e0; e < e0 + n;) {
+    const int64_t k = e / block;
+    const int64_t stop = std::min(e0 + n, (k + 1) * block);
+    for (int64_t i = e; i < stop; i += 8) {
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c) {
+        float s;
+        std::memcpy(&s, rows[c] + 4 * k, 4);
+        sum = _mm256_add_ps(sum, _mm256_mul_ps(codes8(rows[c] + 4 * nb, i, bits), _mm256_set1_ps(s)));
+      }
+      _mm256_storeu_ps(acc + (i - e0), sum);
+    }
+    e = stop;
+  }
+}
+
+// y[0..n) = decoded elements [e0, e0 + n) of a block (n a multiple of 8): f32_mul(q, s).
+inline void decode(const uint8_t* data, int64_t e0, int64_t n, int bits, float s, float* y) {
+  const __m256 sv = _mm256_set1_ps(s);
+  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(codes8(data, e0 + i, bits), sv));
+}
+
+// hadamard_run for h = 2^log2h >= 8: strides 1, 2, 4 inside each vector of 8, then the strides >= 8
+// between vectors, then the scale. Each output lane is the scalar butterfly's a + b or a - b (the
+// IEEE a + (-b)) of the same two values, stage after stage in the same order.
+template <int kImm, int kBlend>
+inline __m256 butterfly_in_lane(__m256 x) {
+  const __m256 partner = _mm256_permute_ps(x, kImm);
+  return _mm256_blend_ps(_mm256_add_ps(x, partner), _mm256_sub_ps(partner, x), kBlend);
+}
+inline void hadamard_run(float* v, int log2h) {
+  const int h = 1 << log2h;
+  for (int i = 0; i < h; i += 8) {
+    __m256 x = _mm256_loadu_ps(v + i);
+    x = butterfly_in_lane<_MM_SHUFFLE(2, 3, 0, 1), 0xAA>(x);  // stride 1: odd lanes get even - odd
+    x = butterfly_in_lane<_MM_SHUFFLE(1, 0, 3, 2), 0xCC>(x);  // stride 2
+    const __m256 partner = _mm256_permute2f128_ps(x, x, 0x01);  // stride 4: the other 128-bit half
+    x = _mm256_blend_ps(_mm256_add_ps(x, partner), _mm256_sub_ps(partner, x), 0xF0);
+    _mm256_storeu_ps(v + i, x);
+  }
+  for (int d = 8; d < h; d <<= 1) {
+    for (int i = 0; i < h; i += 2 * d) {
+      for (int j = i; j < i + d; j += 8) {
+        const __m256 a = _mm256_loadu_ps(v + j), b = _mm256_loadu_ps(v + j + d);
+        _mm256_storeu_ps(v + j, _mm256_add_ps(a, b));
+        _mm256_storeu_ps(v + j + d, _mm256_sub_ps(a, b));
+      }
+    }
+  }
+  const __m256 s = _mm256_set1_ps(hadamard_scale(log2h));
+  for (int i = 0; i < h; i += 8) _mm256_storeu_ps(v + i, _mm256_mul_ps(_mm256_loadu_ps(v + i), s));
+}
+
+// out[0..n) = hadamard_range(x[0..n)) for n a multiple of 32 and of h = 2^log2h >= 8 (no partial
+// run), x widened to fp32; out may be x (fp32, in place). Each group of 32 values makes all of its
+// butterflies up to stride 16 in four registers (strides 1, 2, 4 in lane as in hadamard_run, 8 and
+// 16 between the registers), so a run of up to 32 values never goes through memory between stages;
+// longer runs finish their strides >= 32 in out. Same operations per lane, same stage order.
+template <typename T>
+inline void rotate(const T* x, int64_t n, int log2h, float* out) {
+  const int h = 1 << log2h;
+  const __m256 scale = _mm256_set1_ps(hadamard_scale(log2h));
+  for (int64_t i = 0; i < n; i += 32) {
+    __m256 v[4];
+    for (int j = 0; j < 4; ++j) {
+      __m256 t = load8(x + i + 8 * j);
+      t = butterfly_in_lane<_MM_SHUFFLE(2, 3, 0, 1), 0xAA>(t);
+      t = butterfly_in_lane<_MM_SHUFFLE(1, 0, 3, 2), 0xCC>(t);
+      const __m256 partner = _mm256_permute2f128_ps(t, t, 0x01);
+      v[j] = _mm256_blend_ps(_mm256_add_ps(t, partner), _mm256_sub_ps(partner, t), 0xF0);
+    }
+    if (log2h >= 4) {  // stride 8
+      for (int j = 0; j < 4; j += 2) {
+        const __m256 a = v[j], b = v[j + 1];
+        v[j] = _mm256_add_ps(a, b);
+        v[j + 1] = _mm256_sub_ps(a, b);
+      }
+    }
+    if (log2h >= 5) {  // stride 16
+      for (int j = 0; j < 2; ++j) {
+        const __m256 a = v[j], b = v[j + 2];
+        v[j] = _mm256_add_ps(a, b);
+        v[j + 2] = _mm256_sub_ps(a, b);
+      }
+    }
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + i + 8 * j, h <= 32 ? _mm256_mul_ps(v[j], scale) : v[j]);
+  }
+  if (h <= 32) return;
+  for (int64_t r = 0; r < n; r += h) {
+    float* w = out + r;
+    for (int d = 32; d < h; d <<= 1) {
+      for (int i = 0; i < h; i += 2 * d) {
+        for (int j = i; j < i + d; j += 8) {
+          const __m256 a = _mm256_loadu_ps(w + j), b = _mm256_loadu_ps(w + j + d);
+          _mm256_storeu_ps(w + j, _mm256_add_ps(a, b));
+          _mm256_storeu_ps(w + j + d, _mm256_sub_ps(a, b));
+        }
+      }
+    }
+    for (int i = 0; i < h; i += 8) _mm256_storeu_ps(w + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), scale));
+  }
+}
+
+// Whether rotate applies to n values (else the per-run loops).
+inline bool rotate_applies(int64_t n, int log2h) {
+  return log2h >= 3 && n % 32 == 0 && n % (int64_t(1) << log2h) == 0;
+}
+
+}  // namespace avx2
