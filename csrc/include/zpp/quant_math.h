@@ -24,7 +24,10 @@
 // INT4 blocks, and the scale is on the wire, so this is the one definition that
 // every implementation computes:
 //   C++ (CPU)   `a / b`, vectorized to IEEE div instructions (SSE/AVX/NEON);
-//               never built with -ffast-math / -freciprocal-math.
+//               never built with -ffast-math / -freciprocal-math. The AVX2 quantize
+//               loop (csrc/cpu/quant_cpu_avx2.h, ReciprocalCodes) multiplies by the
+//               reciprocal only where the rounded code provably equals that of the
+//               quotient, and divides everywhere else: the codes are the contract's.
 //   CUDA        __fdiv_rn(a, b).
 //   reference   tensor / tensor on the same device. NOT tensor / Python number:
 //               PyTorch's CUDA kernel computes that as a * (1.0f / b).
