@@ -2,7 +2,8 @@
 
 Bit-identical where the contract says so (all of it): the five blocked-quantization ops (INT8/INT4,
 fp32/bf16/fp16 in and out, nearest and stochastic rounding), the qgZ reorder, the fused
-dequant+reduce+requant and dequant+reduce, ZFP (the CUDA payload equals the C++ CPU payload and zfpy's
+dequant+reduce+requant and dequant+reduce, the same ops with the Hadamard rotation and qWD's
+dequantize_add_rows_ (SDP4Bit), ZFP (the CUDA payload equals the C++ CPU payload and zfpy's
 bitstream; decoded values equal zfpy's), MPC (CUDA bytes equal the CPU and reference bytes; decode
 bit-exact, each side decoding the other's payload), the container checksum, and nvCOMP round trips
 when ``nvidia.nvcomp`` imports. Sizes 0, 1, odd, block-unaligned, and (not in ``--quick``) one case
@@ -288,6 +289,87 @@ def reduce_checks(ck: Checker, dev, small: bool, quick: bool) -> None:
 
                         ck.run("dequant_reduce_", dr, chunks=chunks, rows=rows, length=length, bits=bi, block=bli,
                                dtype=NAMES[dtype], divisor=divisor)
+
+
+# ------------------------------------------- Hadamard rotation and qWD add ---
+def hadamard_checks(ck: Checker, dev, small: bool, quick: bool) -> None:
+    """SDP4Bit's ops (issue 23): the five blocked ops with the Hadamard rotation (hadamard=H; the fused
+    reduce with the rotation on either side or both) and qWD's decode-and-add (dequantize_add_rows_), each
+    against the CPU oracles. Block/run pairs that take the CPU's vector loops (runs of 8..32, blocks of 32k)
+    and ones that do not (runs of 2, blocks of 40), lengths with a partial last block and a partial last run."""
+    import torch
+
+    from megatron_zpp.compression import layout, ops
+
+    cases = [(4, 128, 32), (8, 256, 64), (4, 2048, 32), (8, 512, 8), (4, 40, 8), (4, 64, 2)]
+    shapes = [(4, 1031), (2, 4096)] + ([] if quick else [(1, 200_003)])
+    if small:
+        cases, shapes = [(4, 128, 32), (4, 40, 8)], [(4, 1031)]
+    for bits, block, h in cases:
+        for rows, length in shapes:
+            for dtype in DTYPES if not small else DTYPES[:2]:
+                x = sample(rows * length, dtype, seed=length + h, nonfinite=True)
+                rb = layout.row_bytes(length, bits, block)
+                labels = dict(bits=bits, block=block, hadamard=h, rows=rows, length=length, dtype=NAMES[dtype])
+                for stochastic in (False, True):
+                    def quantize(x=x, rows=rows, rb=rb, bits=bits, block=block, h=h, stochastic=stochastic):
+                        got = torch.full((rows, rb), 0xAB, dtype=torch.uint8, device=dev)
+                        ops.quantize_rows_(x.to(dev), got, bits, block, stochastic, SEED, h, backend="kernel")
+                        for name, backend in oracles(dev, x.numel()):
+                            want = torch.empty(rows, rb, dtype=torch.uint8)
+                            ops.quantize_rows_(x, want, bits, block, stochastic, SEED, h, backend=backend)
+                            same_bytes(got, want, f"quantize hadamard={h} vs {name}")
+                        return None
+
+                    ck.run("quantize_rows_+hadamard", quantize, **labels, stochastic=stochastic)
+                packed = ops.quantize(x.float(), bits, block, rows=rows, hadamard=h, backend="reference")
+
+                def decode(packed=packed, x=x, bits=bits, block=block, h=h):
+                    got = torch.empty(x.numel(), dtype=x.dtype, device=dev)
+                    ops.dequantize_rows_(packed.to(dev), got, bits, block, hadamard=h, backend="kernel")
+                    added = x.clone().nan_to_num_(0.0, 1.0, -1.0).to(dev)
+                    ops.dequantize_add_rows_(packed.to(dev), added, bits, block, h, backend="kernel")
+                    for name, backend in oracles(dev, x.numel()):
+                        want = torch.empty(x.numel(), dtype=x.dtype)
+                        ops.dequantize_rows_(packed, want, bits, block, hadamard=h, backend=backend)
+                        same_floats(got, want, f"dequantize hadamard={h} vs {name}")
+                        want = x.clone().nan_to_num_(0.0, 1.0, -1.0)
+                        ops.dequantize_add_rows_(packed, want, bits, block, h, backend=backend)
+                        same_floats(added, want, f"dequantize_add_rows_ vs {name}")
+                    return None
+
+                ck.run("dequantize_rows_+hadamard, dequantize_add_rows_", decode, **labels)
+            if rows % 2:
+                continue
+            packed_in = ops.quantize(sample(rows * length, torch.float32, seed=h), bits, block, rows=rows,
+                                     hadamard=h, backend="reference").view(2, rows // 2, -1)
+            for h_in, h_out in ((0, h), (h, 0), (h, h)):
+                def drq(packed_in=packed_in, length=length, bits=bits, block=block, io=(h_in, h_out)):
+                    k = packed_in.shape[1]
+                    rb_out = layout.row_bytes(length, 4, 2 * block)
+                    got = torch.full((k, rb_out), 0xEF, dtype=torch.uint8, device=dev)
+                    args = (length, bits, block, 4, 2 * block, False, SEED, *io)
+                    ops.dequant_reduce_quantize_(packed_in.to(dev), got, *args, backend="kernel")
+                    for name, backend in oracles(dev, packed_in.numel()):
+                        want = torch.empty(k, rb_out, dtype=torch.uint8)
+                        ops.dequant_reduce_quantize_(packed_in, want, *args, backend=backend)
+                        same_bytes(got, want, f"dequant_reduce_quantize hadamard {io} vs {name}")
+                    return None
+
+                ck.run("dequant_reduce_quantize_+hadamard", drq, bits=bits, block=block, hadamard_in=h_in,
+                       hadamard_out=h_out, rows=rows, length=length)
+
+            def dr(packed_in=packed_in, length=length, bits=bits, block=block, h=h):
+                k = packed_in.shape[1]
+                got = torch.empty(k * length, dtype=torch.bfloat16, device=dev)
+                ops.dequant_reduce_(packed_in.to(dev), got, bits, block, 2.0, h, backend="kernel")
+                for name, backend in oracles(dev, packed_in.numel()):
+                    want = torch.empty(k * length, dtype=torch.bfloat16)
+                    ops.dequant_reduce_(packed_in, want, bits, block, 2.0, h, backend=backend)
+                    same_floats(got, want, f"dequant_reduce hadamard={h} vs {name}")
+                return None
+
+            ck.run("dequant_reduce_+hadamard", dr, bits=bits, block=block, hadamard=h, rows=rows, length=length)
 
 
 # ------------------------------------------------------------------- ZFP ---
@@ -607,7 +689,7 @@ def body(args):
     quick, small = args.quick, args.sanitize_set
     ck = Checker(deadline)
     t0 = time.perf_counter()
-    families = [quant_checks, reorder_checks, reduce_checks, zfp_checks, mpc_checks, nvcomp_checks]
+    families = [quant_checks, reorder_checks, reduce_checks, hadamard_checks, zfp_checks, mpc_checks, nvcomp_checks]
     for fam in families:
         fam(ck, dev, small, quick)
         if dev.type == "cuda":
