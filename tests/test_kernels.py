@@ -749,7 +749,8 @@ def _all_ops(x, rows, length, bits, block, hadamard, stochastic, dtype, device, 
     return out
 
 
-@pytest.mark.parametrize("bits,block,hadamard", [(4, 128, 32), (8, 512, 64), (4, 40, 8), (8, 256, 256), (4, 64, 2)])
+@pytest.mark.parametrize("bits,block,hadamard", [(4, 128, 32), (8, 512, 64), (4, 40, 8), (8, 256, 256), (4, 64, 2),
+                                                 (8, 256, 8), (4, 128, 16), (4, 64, 4)])
 def test_hadamard_ops_match_reference_at_every_level(bits, block, hadamard, kernel_device):
     """The five ops with the rotation give the reference's bits on every CPU level (and CUDA where built):
     fp32/bf16/fp16, nearest and stochastic, partial last blocks and a partial last run (length 1031 is
@@ -862,7 +863,9 @@ def test_quotients_next_to_ties_round_as_the_division_does(cpu_isa, bits, block)
     built to sit next to ties, where the plain reciprocal gives other codes (checked here, so the sample can
     catch a wrong fallback), quantize gives the reference's bytes, plain and Hadamard-rotated (the fused
     dequant-reduce-quantize runs the same loop on its fp32 sums). The last block's scale is subnormal: there the
-    whole block takes the division."""
+    whole block takes the division. The built ties are fp32's (casting to bf16/fp16 rounds most of them away);
+    16-bit inputs sit on ties by themselves (random bf16 data has a lane near a tie in ~6% of 32-value groups),
+    which the other tests at every level cover."""
     qmax = 127 if bits == 8 else 7
     x = torch.cat([_near_tie_block(bits, block, c) for c in (1.1, 0.37, 3.3e-3, 7.77, 1e-30, 1e-39)])
     blocks = x.view(-1, block)
@@ -876,3 +879,69 @@ def test_quotients_next_to_ties_round_as_the_division_does(cpu_isa, bits, block)
         assert torch.equal(got, want), dtype
         got, want = (ops.quantize(xd, bits, block, hadamard=32, backend=b) for b in ("kernel", "reference"))
         assert torch.equal(got, want), (dtype, "hadamard")
+
+
+@pytest.mark.parametrize("cpu_isa", CPU_ISAS, indirect=True)
+def test_tasks_that_split_a_row_and_vector_sized_last_blocks_match_reference(cpu_isa):
+    """Paths the small cases above do not reach. (1) Rows long enough that at::parallel_for splits one row
+    between tasks (3 threads): the vector loop quantizes up to 8 blocks at once and must stop at a task's end
+    and carry (row, block) on, with and without the qgZ reorder. (2) A partial last block whose length is a
+    multiple of 32 (block 64 with a 32-value tail, block 40 with a 32-value tail), which takes the vector loop
+    alone."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        for bits, block, rows, length in ((4, 128, 2, 150_016), (8, 256, 1, 300_032), (8, 64, 3, 96),
+                                          (4, 40, 2, 72), (4, 64, 4, 32 * 1001)):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = sample(rows * length, dtype, "cpu", nonfinite=True)
+                for hadamard in (0, 8):
+                    got, want = (ops.quantize(x, bits, block, rows=rows, hadamard=hadamard, backend=b)
+                                 for b in ("kernel", "reference"))
+                    assert torch.equal(got, want), (bits, block, rows, length, dtype, hadamard)
+                if rows in (2, 4):
+                    nodes, node_size = (2, rows // 2)
+                    rb = layout.row_bytes(length, bits, block)
+                    got, want = (torch.empty(rows, rb, dtype=torch.uint8) for _ in range(2))
+                    ops.reorder_quantize_(x, got, bits, block, nodes, node_size, 1, backend="kernel")
+                    ops.reorder_quantize_(x, want, bits, block, nodes, node_size, 1, backend="reference")
+                    assert torch.equal(got, want), ("reorder", bits, block, rows, length, dtype)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_quantize_raises_no_divide_by_zero_flag_at_any_level():
+    """With the divide-by-zero trap on (feenableexcept), quantizing blocks that are all zero, a NaN block and
+    fewer than 8 full blocks (the AVX2 loop computes 8 scales at once) must not divide by zero: the scalar
+    path never computes 1 / scale for an unusable scale, and neither may the vector one. A trapped division
+    kills the process with SIGFPE, so each level runs in a subprocess."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import ctypes, sys, torch
+from megatron_zpp.compression import layout, ops
+torch.set_num_threads(1)  # the trap is per thread: keep every kernel on this one
+assert ops.kernels_available("cpu")  # loads the extension and its ops
+torch.ops.megatron_zpp._set_cpu_isa(sys.argv[1])
+x = torch.randn(7 * 256)
+x[256:768] = 0.0
+x[1000] = float("nan")
+packed_in = ops.quantize(torch.randn(4 * 512), 8, 256, rows=4).view(2, 2, -1)
+libm = ctypes.CDLL("libm.so.6")
+libm.feenableexcept(0x04)  # FE_DIVBYZERO
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for bits, block in ((8, 256), (4, 128)):
+        ops.quantize(x.to(dtype), bits, block, backend="kernel")
+        ops.quantize(x.to(dtype), bits, block, hadamard=32, backend="kernel")
+out = torch.empty(2, layout.row_bytes(512, 4, 128), dtype=torch.uint8)
+ops.dequant_reduce_quantize_(packed_in, out, 512, 8, 256, 4, 128, backend="kernel")
+libm.fedisableexcept(0x04)
+print("ok", sys.argv[1])
+"""
+    for level in CPU_ISAS:
+        proc = subprocess.run([sys.executable, "-c", code, level], capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+        assert proc.returncode == 0 and f"ok {level}" in proc.stdout, (level, proc.returncode, proc.stderr[-2000:])

@@ -12,8 +12,10 @@
 // that may lack the instructions.
 //
 // The bits produced are the same at every level: the loops use IEEE float
-// add/mul/div only (no FMA: -ffp-contract=off applies to every level, and
-// tests/test_kernels.py disassembles the extension to check), and the
+// add/mul/div only (the AVX2 quantize loop multiplies by the reciprocal only where
+// that provably gives the division's code: quant_cpu_avx2.h, ReciprocalCodes; no
+// FMA: -ffp-contract=off applies to every level, and tests/test_kernels.py
+// disassembles the extension to check), and the
 // fp16 <-> fp32 conversions (F16C instructions or c10's software path) are both
 // correctly rounded. tests/test_kernels.py checks every level against the
 // reference.
