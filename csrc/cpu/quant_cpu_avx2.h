@@ -309,27 +309,32 @@ inline __m256 butterfly_in_lane(__m256 x) {
   const __m256 partner = _mm256_permute_ps(x, kImm);
   return _mm256_blend_ps(_mm256_add_ps(x, partner), _mm256_sub_ps(partner, x), kBlend);
 }
-inline void hadamard_run(float* v, int log2h) {
+// Strides 1, 2 and 4 of 8 values in one register.
+inline __m256 butterflies_in_lanes(__m256 x) {
+  x = butterfly_in_lane<_MM_SHUFFLE(2, 3, 0, 1), 0xAA>(x);  // stride 1: odd lanes get even - odd
+  x = butterfly_in_lane<_MM_SHUFFLE(1, 0, 3, 2), 0xCC>(x);  // stride 2
+  const __m256 partner = _mm256_permute2f128_ps(x, x, 0x01);  // stride 4: the other 128-bit half
+  return _mm256_blend_ps(_mm256_add_ps(x, partner), _mm256_sub_ps(partner, x), 0xF0);
+}
+// Strides first_stride, 2 * first_stride, ..., h / 2 of one run of h values in memory, then the scale.
+inline void butterflies_between_vectors_and_scale(float* w, int log2h, int first_stride) {
   const int h = 1 << log2h;
-  for (int i = 0; i < h; i += 8) {
-    __m256 x = _mm256_loadu_ps(v + i);
-    x = butterfly_in_lane<_MM_SHUFFLE(2, 3, 0, 1), 0xAA>(x);  // stride 1: odd lanes get even - odd
-    x = butterfly_in_lane<_MM_SHUFFLE(1, 0, 3, 2), 0xCC>(x);  // stride 2
-    const __m256 partner = _mm256_permute2f128_ps(x, x, 0x01);  // stride 4: the other 128-bit half
-    x = _mm256_blend_ps(_mm256_add_ps(x, partner), _mm256_sub_ps(partner, x), 0xF0);
-    _mm256_storeu_ps(v + i, x);
-  }
-  for (int d = 8; d < h; d <<= 1) {
+  for (int d = first_stride; d < h; d <<= 1) {
     for (int i = 0; i < h; i += 2 * d) {
       for (int j = i; j < i + d; j += 8) {
-        const __m256 a = _mm256_loadu_ps(v + j), b = _mm256_loadu_ps(v + j + d);
-        _mm256_storeu_ps(v + j, _mm256_add_ps(a, b));
-        _mm256_storeu_ps(v + j + d, _mm256_sub_ps(a, b));
+        const __m256 a = _mm256_loadu_ps(w + j), b = _mm256_loadu_ps(w + j + d);
+        _mm256_storeu_ps(w + j, _mm256_add_ps(a, b));
+        _mm256_storeu_ps(w + j + d, _mm256_sub_ps(a, b));
       }
     }
   }
   const __m256 s = _mm256_set1_ps(hadamard_scale(log2h));
-  for (int i = 0; i < h; i += 8) _mm256_storeu_ps(v + i, _mm256_mul_ps(_mm256_loadu_ps(v + i), s));
+  for (int i = 0; i < h; i += 8) _mm256_storeu_ps(w + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), s));
+}
+inline void hadamard_run(float* v, int log2h) {
+  const int h = 1 << log2h;
+  for (int i = 0; i < h; i += 8) _mm256_storeu_ps(v + i, butterflies_in_lanes(_mm256_loadu_ps(v + i)));
+  butterflies_between_vectors_and_scale(v, log2h, 8);
 }
 
 // out[0..n) = hadamard_range(x[0..n)) for n a multiple of 32 and of h = 2^log2h >= 8 (no partial
@@ -343,13 +348,7 @@ inline void rotate(const T* x, int64_t n, int log2h, float* out) {
   const __m256 scale = _mm256_set1_ps(hadamard_scale(log2h));
   for (int64_t i = 0; i < n; i += 32) {
     __m256 v[4];
-    for (int j = 0; j < 4; ++j) {
-      __m256 t = load8(x + i + 8 * j);
-      t = butterfly_in_lane<_MM_SHUFFLE(2, 3, 0, 1), 0xAA>(t);
-      t = butterfly_in_lane<_MM_SHUFFLE(1, 0, 3, 2), 0xCC>(t);
-      const __m256 partner = _mm256_permute2f128_ps(t, t, 0x01);
-      v[j] = _mm256_blend_ps(_mm256_add_ps(t, partner), _mm256_sub_ps(partner, t), 0xF0);
-    }
+    for (int j = 0; j < 4; ++j) v[j] = butterflies_in_lanes(load8(x + i + 8 * j));
     if (log2h >= 4) {  // stride 8
       for (int j = 0; j < 4; j += 2) {
         const __m256 a = v[j], b = v[j + 1];
@@ -367,19 +366,7 @@ inline void rotate(const T* x, int64_t n, int log2h, float* out) {
     for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + i + 8 * j, h <= 32 ? _mm256_mul_ps(v[j], scale) : v[j]);
   }
   if (h <= 32) return;
-  for (int64_t r = 0; r < n; r += h) {
-    float* w = out + r;
-    for (int d = 32; d < h; d <<= 1) {
-      for (int i = 0; i < h; i += 2 * d) {
-        for (int j = i; j < i + d; j += 8) {
-          const __m256 a = _mm256_loadu_ps(w + j), b = _mm256_loadu_ps(w + j + d);
-          _mm256_storeu_ps(w + j, _mm256_add_ps(a, b));
-          _mm256_storeu_ps(w + j + d, _mm256_sub_ps(a, b));
-        }
-      }
-    }
-    for (int i = 0; i < h; i += 8) _mm256_storeu_ps(w + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), scale));
-  }
+  for (int64_t r = 0; r < n; r += h) butterflies_between_vectors_and_scale(out + r, log2h, 32);
 }
 
 // Whether rotate applies to n values (else the per-run loops).

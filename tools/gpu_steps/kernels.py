@@ -248,10 +248,26 @@ def reorder_checks(ck: Checker, dev, small: bool, quick: bool) -> None:
                            length=length, bits=bits, block=block, dtype=NAMES[dtype])
 
 
-def reduce_checks(ck: Checker, dev, small: bool, quick: bool) -> None:
+def check_drq(dev, packed_in, args: tuple, what: str) -> None:
+    """dequant_reduce_quantize_(packed_in [C, K, rb_in], out [K, rb_out], *args) on the device against the CPU
+    oracles; args = (length, bits_in, block_in, bits_out, block_out, stochastic, seed[, hadamard_in, hadamard_out])."""
     import torch
 
     from megatron_zpp.compression import layout, ops
+
+    rows, rb = packed_in.shape[1], layout.row_bytes(args[0], args[3], args[4])
+    got = torch.full((rows, rb), 0xEF, dtype=torch.uint8, device=dev)  # padding overwritten?
+    ops.dequant_reduce_quantize_(packed_in.to(dev), got, *args, backend="kernel")
+    for name, backend in oracles(dev, packed_in.numel()):
+        want = torch.empty(rows, rb, dtype=torch.uint8)
+        ops.dequant_reduce_quantize_(packed_in, want, *args, backend=backend)
+        same_bytes(got, want, f"{what} vs {name}")
+
+
+def reduce_checks(ck: Checker, dev, small: bool, quick: bool) -> None:
+    import torch
+
+    from megatron_zpp.compression import ops
 
     shapes = [(2, 1, 0), (2, 1, 1), (4, 2, 1000), (3, 3, 129), (8, 1, 4099)] if not small else [(3, 3, 129)]
     combos = [(4, 128, 4, 128), (8, 64, 4, 128), (4, 32, 8, 256)] if not small else [(8, 64, 4, 128)]
@@ -261,16 +277,8 @@ def reduce_checks(ck: Checker, dev, small: bool, quick: bool) -> None:
             packed_in = ops.quantize(x, bi, bli, rows=chunks * rows, backend="reference").view(chunks, rows, -1) \
                 if length else torch.empty(chunks, rows, 0, dtype=torch.uint8)
             for stochastic in (False, True):
-                def drq(packed_in=packed_in, rows=rows, length=length, c=(bi, bli, bo, blo), stochastic=stochastic):
-                    rb = layout.row_bytes(length, c[2], c[3])
-                    got = torch.full((rows, rb), 0xEF, dtype=torch.uint8, device=dev)
-                    args = (length, *c, stochastic, SEED)
-                    ops.dequant_reduce_quantize_(packed_in.to(dev), got, *args, backend="kernel")
-                    for name, backend in oracles(dev, packed_in.numel()):
-                        want = torch.empty(rows, rb, dtype=torch.uint8)
-                        ops.dequant_reduce_quantize_(packed_in, want, *args, backend=backend)
-                        same_bytes(got, want, f"dequant_reduce_quantize vs {name}")
-                    return None
+                def drq(packed_in=packed_in, length=length, c=(bi, bli, bo, blo), stochastic=stochastic):
+                    return check_drq(dev, packed_in, (length, *c, stochastic, SEED), "dequant_reduce_quantize")
 
                 ck.run("dequant_reduce_quantize_", drq, chunks=chunks, rows=rows, length=length, bits_in=bi,
                        block_in=bli, bits_out=bo, block_out=blo, stochastic=stochastic)
@@ -345,16 +353,8 @@ def hadamard_checks(ck: Checker, dev, small: bool, quick: bool) -> None:
                                      hadamard=h, backend="reference").view(2, rows // 2, -1)
             for h_in, h_out in ((0, h), (h, 0), (h, h)):
                 def drq(packed_in=packed_in, length=length, bits=bits, block=block, io=(h_in, h_out)):
-                    k = packed_in.shape[1]
-                    rb_out = layout.row_bytes(length, 4, 2 * block)
-                    got = torch.full((k, rb_out), 0xEF, dtype=torch.uint8, device=dev)
-                    args = (length, bits, block, 4, 2 * block, False, SEED, *io)
-                    ops.dequant_reduce_quantize_(packed_in.to(dev), got, *args, backend="kernel")
-                    for name, backend in oracles(dev, packed_in.numel()):
-                        want = torch.empty(k, rb_out, dtype=torch.uint8)
-                        ops.dequant_reduce_quantize_(packed_in, want, *args, backend=backend)
-                        same_bytes(got, want, f"dequant_reduce_quantize hadamard {io} vs {name}")
-                    return None
+                    return check_drq(dev, packed_in, (length, bits, block, 4, 2 * block, False, SEED, *io),
+                                     f"dequant_reduce_quantize hadamard {io}")
 
                 ck.run("dequant_reduce_quantize_+hadamard", drq, bits=bits, block=block, hadamard_in=h_in,
                        hadamard_out=h_out, rows=rows, length=length)
