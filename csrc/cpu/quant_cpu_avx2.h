@@ -1,5 +1,5 @@
 // AVX2 loops for the hot paths of the blocked INT8/INT4 CPU kernels: nearest-rounding quantization
-// of whole blocks, decode-and-accumulate, and the Hadamard rotation.
+// of whole blocks, decoding, the fused ops' sums over chunks, and the Hadamard rotation.
 //
 // NO include guard: quant_cpu_isa.h includes this inside each AVX2-capable level's namespace (x86-64-v3,
 // x86-64-v4), so it is compiled with that level's `#pragma GCC target`.
@@ -266,14 +266,6 @@ inline __m256 codes8(const uint8_t* data, int64_t i, int bits) {
   std::memcpy(&w, data + i / 2, 4);
   const __m256i to_top = _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0);
   return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_sllv_epi32(_mm256_set1_epi32(static_cast<int>(w)), to_top), 28));
-}
-
-// acc[0..m) += decoded elements [e, e + m) of a block with scale s (e and m multiples of 8):
-// f32_add(acc, f32_mul(q, s)) lane by lane.
-inline void accumulate(const uint8_t* data, int64_t e, int64_t m, int bits, float s, float* acc) {
-  const __m256 sv = _mm256_set1_ps(s);
-  for (int64_t i = 0; i < m; i += 8)
-    _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), _mm256_mul_ps(codes8(data, e + i, bits), sv)));
 }
 
 // acc[0..n) = the sum over C packed rows of their decoded elements [e0, e0 + n), in row order from

@@ -310,15 +310,7 @@ template <typename T>
 inline bool quantize_block_fast(const T* x, int64_t n, int bits, bool stochastic, float* scale_out, uint8_t* data) {
 #if ZPP_CPU_ISA_AVX2
   if (stochastic || n % 32 != 0) return false;
-  bool nonfinite = false;
-  const float absmax = avx2::absmax(x, n, &nonfinite);
-  const float scale = block_scale(absmax, nonfinite, qmax_for_bits(bits));
-  *scale_out = scale;
-  if (!scale_is_usable(scale)) {  // zero block (exact) or non-finite block (decodes NaN)
-    std::memset(data, 0, n * bits / 8);
-  } else {
-    avx2::quantize_nearest(x, n, bits, scale, 1.0f / scale, data);
-  }
+  avx2::quantize_full_blocks(x, 1, n, bits, reinterpret_cast<uint8_t*>(scale_out), data);  // one block of n
   return true;
 #else
   (void)x, (void)n, (void)bits, (void)stochastic, (void)scale_out, (void)data;
@@ -425,13 +417,6 @@ inline void accumulate_row_range(const uint8_t* row, int64_t length, int bits, i
     const float s = load_scale(row, k);
     float* a = acc + (e - e0);
     const int64_t m = stop - e;
-#if ZPP_CPU_ISA_AVX2
-    if (m % 8 == 0 && e % 8 == 0) {
-      avx2::accumulate(data, e, m, bits, s, a);
-      e = stop;
-      continue;
-    }
-#endif
     if (bits == 8) {
       const int8_t* q = reinterpret_cast<const int8_t*>(data) + e;
       for (int64_t i = 0; i < m; ++i) a[i] = f32_add(a[i], f32_mul(static_cast<float>(q[i]), s));
