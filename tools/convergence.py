@@ -26,7 +26,9 @@ differences on zeropp's gradients; the two-level Hadamard gradients on zeropp's 
 batch 32; the issue's), ``--model small`` the 2 x 128 model of the other studies. ``--stress`` adds a run
 pair at 4x the learning rate, INT4 across nodes with and without the Hadamard rotation. It prints the final
 validation loss per policy (mean and seed spread), the gap of each mean to `none`'s against `none`'s own
-seed-to-seed spread, and plots the validation curves with the spread shaded.
+seed-to-seed spread, and plots the validation curves with the spread shaded. Each finished (run, seed) is
+added to ``<out-dir>/convergence-sdp4bit-<model>-<steps>it-<machine>.json`` as it ends, so a stopped study
+resumes where it was (the same command again) and ``--report`` prints the table from the runs so far.
 
     python tools/convergence.py [--study zeropp|hybrid|sdp4bit] [--steps 300] [--seeds 3] [--out-dir docs]
 """
@@ -106,7 +108,11 @@ def sdp4bit_args(model: str, steps: int, seed: int, eval_every: int, ranks_per_n
 
 
 def _sdp4bit_worker(model: str, steps: int, seeds: int, eval_every: int, ranks_per_node: int, stress: bool,
-                    runs: list[str]) -> dict:
+                    runs: list[str], results_path: str, done: list[list]) -> None:
+    """Runs every (run, seed) pair not in ``done``, seed-major (so a partial study has every run at its first
+    seeds), and after each one rank 0 adds its record to ``results_path``: a study that is stopped resumes."""
+    import subprocess
+
     import torch.distributed as dist
 
     from megatron_zpp.training.trainer import pretrain
@@ -114,18 +120,47 @@ def _sdp4bit_worker(model: str, steps: int, seeds: int, eval_every: int, ranks_p
     plans = [(name, flags, 1.0) for name, flags in SDP4BIT_RUNS.items() if name in runs]
     if stress:
         plans += [(name, flags, 4.0) for name, flags in STRESS_RUNS.items()]
-    results: dict = {}
-    for name, flags, lr_scale in plans:
-        for k in range(seeds):
-            seed = 1234 + k
+    finished = {(name, seed) for name, seed in done}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    for k in range(seeds):
+        seed = 1234 + k
+        for name, flags, lr_scale in plans:
+            if (name, seed) in finished:
+                continue
             if dist.get_rank() == 0:
                 print(f"# run: {name}, seed {seed}", flush=True)
             summary = pretrain(sdp4bit_args(model, steps, seed, eval_every, ranks_per_node, lr_scale) + flags)
-            results.setdefault(name, []).append({
-                "seed": seed, "valid_curve": summary["valid_curve"], "valid_loss": summary["valid_loss"],
-                "losses": summary["losses"], "finite": summary["finite"],
-                "inter_bytes": summary["inter_bytes"], "seconds_per_iteration": summary["seconds_per_iteration"]})
-    return results
+            if dist.get_rank() == 0:
+                record = {"seed": seed, "valid_curve": summary["valid_curve"], "valid_loss": summary["valid_loss"],
+                          "losses": summary["losses"], "finite": summary["finite"],
+                          "inter_bytes": summary["inter_bytes"],
+                          "seconds_per_iteration": summary["seconds_per_iteration"],
+                          "date": datetime.date.today().isoformat(), "commit": commit}
+                _add_record(Path(results_path), name, record)
+
+
+def _study_path(out_dir: Path, model: str, steps: int) -> Path:
+    # No date in the name: the file accumulates runs over days (each record has its date and commit).
+    return out_dir / f"convergence-sdp4bit-{model}-{steps}it-{machine_name()}.json"
+
+
+def _load_study(path: Path, model: str, steps: int) -> dict:
+    if not path.exists():
+        return {"study": "sdp4bit", "model": model, "steps": steps, "results": {}}
+    data = json.loads(path.read_text())
+    if (data.get("model"), data.get("steps")) != (model, steps):
+        raise SystemExit(f"{path} holds model {data.get('model')!r}, {data.get('steps')} iterations; this call asks "
+                         f"for {model!r}, {steps}: pass another --out-dir or the same --model/--steps")
+    return data
+
+
+def _add_record(path: Path, name: str, record: dict) -> None:
+    data = json.loads(path.read_text())
+    data["results"].setdefault(name, []).append(record)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)  # atomic: a killed study never leaves a torn file
 
 
 def sdp4bit_main(args) -> None:
@@ -136,32 +171,43 @@ def sdp4bit_main(args) -> None:
     if unknown or "none" not in runs:
         raise SystemExit(f"--runs {args.runs!r}: valid runs: {', '.join(SDP4BIT_RUNS)} (none is required: the "
                          "gaps are against it)")
-    results = run_distributed(_sdp4bit_worker, args.nproc, args.model, args.steps, args.seeds, args.eval_every,
-                              args.ranks_per_node, args.stress, runs, ranks_per_node=args.ranks_per_node,
-                              timeout_s=4 * 3600, wall_limit_s=12 * 3600)[0]
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = _study_path(out_dir, args.model, args.steps)
+    data = _load_study(path, args.model, args.steps)
+    if not path.exists():
+        path.write_text(json.dumps(data, indent=1))
+    done = [[name, r["seed"]] for name, records in data["results"].items() for r in records]
+    if not args.report:
+        if done:
+            print(f"resuming {path}: {len(done)} runs already there, skipped", flush=True)
+        run_distributed(_sdp4bit_worker, args.nproc, args.model, args.steps, args.seeds, args.eval_every,
+                        args.ranks_per_node, args.stress, runs, str(path), done, ranks_per_node=args.ranks_per_node,
+                        timeout_s=4 * 3600, wall_limit_s=12 * 3600)
+        data = _load_study(path, args.model, args.steps)
+    results = {name: sorted(recs, key=lambda r: r["seed"]) for name, recs in data["results"].items()}
+    if "none" not in results:
+        raise SystemExit(f"{path}: no `none` run yet, nothing to compare against")
     finals = {name: [r["valid_loss"] for r in runs] for name, runs in results.items()}
     base = finals["none"]
     base_mean = statistics.mean(base)
     spread = max(base) - min(base)
-    print(f"\nsdp4bit study: model {args.model}, {args.steps} iterations, seeds {args.seeds}, distributed optimizer "
+    print(f"\nsdp4bit study ({path.name}): model {args.model}, {args.steps} iterations, distributed optimizer "
           f"(fp32, both overlap flags), {args.nproc} ranks as {args.nproc // args.ranks_per_node} nodes x "
           f"{args.ranks_per_node}; final validation LM loss")
     print(f"`none`'s seed-to-seed spread (max - min): {spread:.5f} ({100 * spread / base_mean:.3f}%)")
-    print("| run | mean | min | max | gap of the mean vs none | within none's spread | cross-node MB/iteration |")
-    print("|---|---|---|---|---|---|---|")
+    print("| run | seeds | mean | min | max | gap of the mean vs none | within none's spread | cross-node MB/iteration |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, values in finals.items():
-        ref = statistics.mean(finals["stress: none"]) if name.startswith("stress") else base_mean
+        stress_base = finals.get("stress: none")
+        ref = statistics.mean(stress_base) if name.startswith("stress") and stress_base else base_mean
         mean = statistics.mean(values)
         gap = mean - ref
         mb = statistics.mean(r["inter_bytes"] for r in results[name]) / 1e6 / args.steps  # summary: the whole run
         within = "yes" if abs(gap) <= spread else "no"
-        print(f"| {name} | {mean:.5f} | {min(values):.5f} | {max(values):.5f} | {gap:+.5f} ({100 * gap / ref:+.3f}%) "
+        print(f"| {name} | {len(values)} | {mean:.5f} | {min(values):.5f} | {max(values):.5f} | {gap:+.5f} ({100 * gap / ref:+.3f}%) "
               f"| {within} | {mb:.3f} |")
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"convergence-sdp4bit-{args.model}-{datetime.date.today().isoformat()}-{machine_name()}"
-    (out_dir / f"{stem}.json").write_text(json.dumps({"study": "sdp4bit", "model": args.model, "steps": args.steps,
-                                                      "seeds": args.seeds, "results": results}, indent=1))
+    stem = path.stem
     import matplotlib
 
     matplotlib.use("Agg")
@@ -178,7 +224,7 @@ def sdp4bit_main(args) -> None:
                         linestyle="--" if name.startswith("stress") else "-")
         ax.fill_between(its, lo, hi, color=line.get_color(), alpha=0.2)
     ax.set_xlabel("iteration")
-    ax.set_ylabel(f"validation LM loss (mean of {args.seeds} seeds, min-max shaded)")
+    ax.set_ylabel("validation LM loss (mean over seeds, min-max shaded)")
     ax.set_title(f"sdp4bit convergence, model {args.model}, {machine_name()}", fontsize=9)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
@@ -228,6 +274,8 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=50, help="sdp4bit: iterations between validations")
     p.add_argument("--stress", action="store_true", help="sdp4bit: add the 4x learning-rate Hadamard pair")
     p.add_argument("--runs", default=None, help="sdp4bit: comma-separated subset of the runs (default: all five)")
+    p.add_argument("--report", action="store_true",
+                   help="sdp4bit: run nothing; print the table and plot from the study's JSON (runs so far)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--ranks-per-node", type=int, default=2)
