@@ -268,6 +268,53 @@ def test_spawned_test_worlds_are_bounded_and_stopped():
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_spawned_ranks_die_with_a_killed_spawner(tmp_path):
+    """A study or test killed with SIGKILL (or SIGTERM, which skips Python's finally blocks) must not leave
+    its ranks running: they are blocked in gloo, where no Python signal handler runs."""
+    pids = tmp_path / "pids"
+    script = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from tests.test_reliability import _ranks_wait_forever; "
+              f"from megatron_zpp.testing.spawn import run_distributed; run_distributed(_ranks_wait_forever, 2, "
+              f"{str(pids)!r}, timeout_s=600)")
+    spawner = subprocess.Popen([sys.executable, "-c", script], cwd=REPO)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(tmp_path.glob("pids/*"))) < 2:
+        time.sleep(0.2)
+    ranks = [int(p.name) for p in tmp_path.glob("pids/*")]
+    assert len(ranks) == 2, "the ranks did not start"
+    assert spawner.poll() is None, "the spawner ended on its own: the ranks failed"
+    spawner.kill()
+    spawner.wait()
+    t0 = time.monotonic()
+    alive = ranks
+    while alive and time.monotonic() - t0 < 20:
+        time.sleep(0.2)
+        alive = [pid for pid in ranks if _alive(pid)]
+    print(f"\nranks {ranks} gone {time.monotonic() - t0:.1f} s after the spawner was killed")
+    for pid in alive:  # a failing run must not leave them holding pytest's output
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"ranks {alive} still running 20 s after their spawner was killed"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def _ranks_wait_forever(pid_dir: str):
+    import torch
+    import torch.distributed as dist
+
+    os.makedirs(pid_dir, exist_ok=True)
+    open(os.path.join(pid_dir, str(os.getpid())), "w").close()
+    # Both blocked in gloo (C++, the GIL released) until the timeout: torch's own parent-death signal, SIGINT,
+    # only sets a flag that Python would check when the call returns.
+    dist.recv(torch.zeros(1), src=1 - dist.get_rank())
+
+
 def test_divergence_guard_reloads_the_last_checkpoint_once(tmp_path):
     summary_json = tmp_path / "summary.json"
     ckpt = tmp_path / "ckpt"

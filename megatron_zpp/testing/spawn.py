@@ -22,8 +22,22 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: this rank is SIGKILLed when the process that spawned it dies, however it dies (a killed study or
+    test run would otherwise leave its ranks running, blocked in gloo where a SIGTERM handler never runs)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before the prctl: nothing will signal us
+        os._exit(1)
+
+
 def _entry(rank: int, fn: Callable, world_size: int, ranks_per_node: int, workdir: str, timeout_s: float,
-           node_env: bool, args: tuple, kwargs: dict) -> None:
+           node_env: bool, parent_pid: int, args: tuple, kwargs: dict) -> None:
+    _die_with_parent(parent_pid)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
     if node_env:
         os.environ.update(LOCAL_WORLD_SIZE=str(ranks_per_node), LOCAL_RANK=str(rank % ranks_per_node))
@@ -56,14 +70,15 @@ def run_distributed(fn: Callable, world_size: int, *args, ranks_per_node: int | 
     ``fn`` must be importable by name (a module-level function), as processes are spawned.
     ``node_env=False`` leaves ``LOCAL_WORLD_SIZE`` / ``LOCAL_RANK`` unset. ``timeout_s`` bounds each
     collective (gloo's timeout); ``wall_limit_s`` bounds the whole run: past it every rank is stopped
-    (SIGTERM, then SIGKILL) and ``TimeoutError`` names the ranks still running.
+    (SIGTERM, then SIGKILL) and ``TimeoutError`` names the ranks still running. On Linux the ranks also die
+    with this process if it is killed.
     """
     ranks_per_node = ranks_per_node or world_size
     if world_size % ranks_per_node:
         raise ValueError(f"world_size={world_size} is not a multiple of ranks_per_node={ranks_per_node}")
     with tempfile.TemporaryDirectory(prefix="zpp-dist-") as workdir:
-        context = mp.start_processes(_entry, args=(fn, world_size, ranks_per_node, workdir, timeout_s, node_env, args,
-                                                   kwargs), nprocs=world_size, join=False, start_method="spawn")
+        context = mp.start_processes(_entry, args=(fn, world_size, ranks_per_node, workdir, timeout_s, node_env,
+                                                   os.getpid(), args, kwargs), nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + wall_limit_s
         try:
             # join() raises with the failing rank's traceback (and stops the others) when one fails.
