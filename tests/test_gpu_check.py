@@ -192,7 +192,7 @@ def test_kernels_step_logic_on_cpu(tmp_path):
     assert proc.returncode == 0 and result["status"] == "pass", result["detail"]
     checks = {r["check"] for r in result["rows"] if r["status"] == "pass"}
     assert checks >= {"quantize_rows_", "dequantize_rows_", "reorder_quantize_", "dequant_reduce_quantize_",
-                      "dequant_reduce_", "zfp", "mpc", "quantize_rows_+hadamard",
+                      "dequant_reduce_", "zfp", "mpc", "quantize_rows_+hadamard, reorder_quantize_",
                       "dequantize_rows_+hadamard, dequantize_add_rows_", "dequant_reduce_quantize_+hadamard",
                       "dequant_reduce_+hadamard"}
     sizes = {r.get("length") for r in result["rows"] if r["check"] == "quantize_rows_"}

@@ -708,6 +708,80 @@ def test_cuda_schedule_short_rows(length, bits):
     assert float_diff(y, ops.dequantize(want, (rows * length,), torch.float32, bits, block)) == 0
 
 
+# (block, hadamard): in-chunk runs only (h <= 8), runs across lanes (block 128: 16 lanes), a warp
+# (256), across a lane's slots (block 512/1024/2048: 32 lanes x 2/4/8 chunks, h up to the block).
+# Chunk counts that are not powers of two leave lanes or slots empty: (96, 32), (768, 256), (1536, 512).
+ROTATED_SCHEDULES = [(24, 8), (40, 8), (16, 2), (64, 4), (128, 32), (128, 128), (256, 256), (512, 512), (1024, 64),
+                     (1024, 1024), (2048, 2048), (2048, 32), (96, 32), (768, 256), (1536, 512)]
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("block,hadamard", ROTATED_SCHEDULES)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_cuda_schedule_fused_rotation_gives_the_cpu_kernels_bytes(block, hadamard, bits):
+    """The fused CUDA rotation (quant_chunks.h: in-chunk butterflies, lane shuffles, slot pairs; the
+    elementwise kernels' rows padded to whole runs), run on the host with the shared header, gives the CPU
+    kernels' bytes: every op, partial last blocks and runs (length 2 * block + 13), NaN/Inf, nearest and
+    stochastic, every float type, and rotations in and out of the fused reduction. The host emulation also
+    checks that every shuffle partner of the elementwise kernels is in the thread's warp and holds the
+    partner chunk of the same row. The last block mixes whole runs with a partial one where runs are long
+    enough (length 2 * block + h/2 + 13)."""
+    rows, chunks = 3, 2
+    length = 2 * block + (min(hadamard, block // 2) if hadamard >= 16 else 0) + 13
+    rb = layout.row_bytes(length, bits, block)
+    for dtype, stochastic in itertools.product(FLOAT_DTYPES, (False, True)):
+        x = _heavy_tailed(rows * length, dtype, "cpu", nonfinite=True)
+        got = torch.full((rows, rb), 0xAB, dtype=torch.uint8)
+        want = torch.empty_like(got)
+        torch.ops.megatron_zpp._cuda_schedule_quantize_rows_(x, got, bits, block, stochastic, SEED, hadamard)
+        ops.quantize_rows_(x, want, bits, block, stochastic, SEED, hadamard, backend="kernel")
+        assert torch.equal(got, want), ("quantize", dtype, stochastic)
+    if hadamard <= 256:
+        for dtype in FLOAT_DTYPES:
+            y_got, y_want = torch.empty(rows * length, dtype=dtype), torch.empty(rows * length, dtype=dtype)
+            torch.ops.megatron_zpp._cuda_schedule_dequantize_rows_(want, y_got, bits, block, hadamard)
+            ops.dequantize_rows_(want, y_want, bits, block, hadamard, backend="kernel")
+            assert float_diff(y_got, y_want) == 0, ("dequantize", dtype)
+            base = _heavy_tailed(rows * length, dtype, "cpu")  # qWD's decode-and-add: base plays the weights
+            a_got, a_want = base.clone(), base.clone()
+            torch.ops.megatron_zpp._cuda_schedule_dequantize_rows_(want, a_got, bits, block, hadamard, True)
+            ops.dequantize_add_rows_(want, a_want, bits, block, hadamard, backend="kernel")
+            assert float_diff(a_got, a_want) == 0, ("dequantize_add", dtype)
+    x = _heavy_tailed(chunks * rows * length, torch.float32, "cpu", nonfinite=True)
+    packed_in = ops.quantize(x, bits, block, rows=chunks * rows).view(chunks, rows, -1)
+    pairs = [(0, hadamard), (hadamard, 0), (hadamard, hadamard)]
+    if hadamard > 2:  # two different rotations, in then out
+        pairs.append((8 if hadamard > 8 else 2, hadamard))
+    for h_in, h_out in pairs:
+        got = torch.full((rows, rb), 0xCD, dtype=torch.uint8)
+        want = torch.empty_like(got)
+        args = (length, bits, block, bits, block, True, SEED, h_in, h_out)
+        torch.ops.megatron_zpp._cuda_schedule_dequant_reduce_quantize_(packed_in, got, *args)
+        ops.dequant_reduce_quantize_(packed_in, want, *args, backend="kernel")
+        assert torch.equal(got, want), ("dequant_reduce_quantize", h_in, h_out)
+    if hadamard <= 256:
+        for dtype in FLOAT_DTYPES:
+            m_got, m_want = torch.empty(rows * length, dtype=dtype), torch.empty(rows * length, dtype=dtype)
+            torch.ops.megatron_zpp._cuda_schedule_dequant_reduce_(packed_in, m_got, bits, block, 3.0, hadamard)
+            ops.dequant_reduce_(packed_in, m_want, bits, block, 3.0, hadamard, backend="kernel")
+            assert float_diff(m_got, m_want) == 0, ("dequant_reduce", dtype)
+
+
+@needs_cpu_kernels
+def test_cuda_schedule_names_the_shapes_it_does_not_fuse():
+    """Quantizing blocks over 2048 elements (CTA groups) and elementwise runs over 256 values are composed by
+    the CUDA binding (fp32 passes), not rotated in registers: the host emulation of the fused kernels refuses
+    them instead of checking a path the GPU does not take."""
+    x = torch.randn(2 * 4096)
+    packed = torch.empty(2, layout.row_bytes(4096, 4, 4096), dtype=torch.uint8)
+    torch.ops.megatron_zpp._cuda_schedule_quantize_rows_(x, packed, 4, 4096, False, SEED, 0)
+    with pytest.raises(RuntimeError, match="blocks of <= 2048"):
+        torch.ops.megatron_zpp._cuda_schedule_quantize_rows_(x, packed, 4, 4096, False, SEED, 32)
+    q = ops.quantize(x, 4, 512, rows=2)
+    with pytest.raises(RuntimeError, match="runs of <= 256"):
+        torch.ops.megatron_zpp._cuda_schedule_dequantize_rows_(q, torch.empty(2 * 4096), 4, 512, 512)
+
+
 # ------------------------------------------ Hadamard smoothing in the ops ------
 def _heavy_tailed(numel: int, dtype, device, nonfinite=False) -> torch.Tensor:
     """Student-t (3 degrees of freedom) values, what the rotation is for; NaN and Inf at fixed spots."""

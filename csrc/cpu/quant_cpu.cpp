@@ -21,10 +21,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -241,19 +243,49 @@ struct HostInputSource {
   }
 };
 
+// The in-register rotation of a staged group (quant_kernels.cu group_rotate), the lanes in step:
+// each stage reads the partner lane's values as they were before it (a shuffle's snapshot).
+template <int V, typename Staged>
+void schedule_group_rotate(std::vector<Staged>& staged, int64_t n, int lanes, int log2h) {
+  if (log2h == 0) return;
+  for (int st = 0; st < chunks::rotation_stages(log2h); ++st) {
+    const std::vector<Staged> before = staged;
+    for (int lane = 0; lane < lanes; ++lane)
+      chunks::lane_rotation_stage<V>(staged[lane].v, n, lane, lanes, log2h, st, [&](int s, int i, int64_t dc) {
+        return before[lane ^ static_cast<int>(dc)].v[s][i];
+      });
+  }
+  for (int lane = 0; lane < lanes; ++lane) chunks::lane_rotation_scale<V>(staged[lane].v, n, lane, lanes, log2h);
+}
+
 // One quantization block by a group of `lanes` emulated threads; returns the block's scale.
+// log2h_a, log2h_b: the rotations of the staged values (fused shapes only).
 template <int V, typename Source>
 float schedule_group(Source& src, int64_t n, int lanes, int bits, bool stochastic, uint64_t seed, uint64_t index0,
-                     uint8_t* data, int64_t e0) {
+                     uint8_t* data, int64_t e0, int log2h_a = 0, int log2h_b = 0) {
   chunks::RowSink sink{data, e0, bits};
   uint32_t m = 0;
+  TORCH_CHECK((log2h_a == 0 && log2h_b == 0) || (V > 0 && lanes <= chunks::kWarp),
+              "megatron_zpp::_cuda_schedule_*: the CUDA kernels rotate in registers only for blocks of <= 2048 "
+              "elements");
   if constexpr (V > 0) {
     struct Staged {
       float v[V][chunks::kChunk];
     };
     std::vector<Staged> staged(lanes);
+    // Slots and elements a lane does not load hold garbage on a GPU: NaN here, so a rotation that read one
+    // into a live value would change the bytes instead of adding a harmless 0.
+    for (Staged& st : staged)
+      std::fill(&st.v[0][0], &st.v[0][0] + V * chunks::kChunk, std::numeric_limits<float>::quiet_NaN());
     for (int lane = 0; lane < lanes; ++lane)
       m = std::max(m, chunks::lane_stage<V>(src, n, lane, lanes, staged[lane].v));
+    if (log2h_a | log2h_b) {
+      schedule_group_rotate<V>(staged, n, lanes, log2h_a);
+      schedule_group_rotate<V>(staged, n, lanes, log2h_b);
+      m = 0;
+      for (int lane = 0; lane < lanes; ++lane)
+        m = std::max(m, chunks::lane_staged_absmax<V>(staged[lane].v, n, lane, lanes));
+    }
     const chunks::BlockQuant q = chunks::block_quant(m, bits, stochastic, seed);
     for (int lane = 0; lane < lanes; ++lane)
       chunks::lane_quantize<V>(sink, staged[lane].v, n, lane, lanes, bits, q, index0);
@@ -292,8 +324,9 @@ void check_cpu(const at::Tensor& t, const char* name) {
 }
 
 void cuda_schedule_quantize_rows(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t block,
-                                 bool stochastic, int64_t seed) {
+                                 bool stochastic, int64_t seed, int64_t hadamard) {
   const int64_t length = check_quantize_rows(x, packed, bits, block);
+  const int log2h = check_hadamard(hadamard, block);
   check_cpu(x, "x");
   const int64_t rows = packed.size(0), nb = num_blocks(length, block), rb = row_bytes(length, bits, block);
   uint8_t* out = packed.data_ptr<uint8_t>();
@@ -309,7 +342,7 @@ void cuda_schedule_quantize_rows(const at::Tensor& x, const at::Tensor& packed, 
           store_scale_bytes(row, k, schedule_group<decltype(v)::value>(src, n, lanes, static_cast<int>(bits),
                                                                         stochastic, static_cast<uint64_t>(seed),
                                                                         static_cast<uint64_t>(r * length + e0),
-                                                                        row + 4 * nb, e0));
+                                                                        row + 4 * nb, e0, log2h));
         }
     });
   });
@@ -317,8 +350,12 @@ void cuda_schedule_quantize_rows(const at::Tensor& x, const at::Tensor& packed, 
 
 void cuda_schedule_dequant_reduce_quantize(const at::Tensor& packed_in, const at::Tensor& packed_out,
                                            int64_t row_numel, int64_t bits_in, int64_t block_in, int64_t bits_out,
-                                           int64_t block_out, bool stochastic, int64_t seed) {
+                                           int64_t block_out, bool stochastic, int64_t seed, int64_t hadamard_in,
+                                           int64_t hadamard_out) {
   check_dequant_reduce_quantize(packed_in, packed_out, row_numel, bits_in, block_in, bits_out, block_out);
+  const int log2h_in = check_hadamard_in_out(hadamard_in, block_in, block_out, "hadamard_in");
+  const int log2h_out = check_hadamard(hadamard_out, block_out, "hadamard_out");
+  const bool same = log2h_in == log2h_out;  // the sum stays in the rotated domain: no rotation
   check_cpu(packed_in, "packed_in");
   const int64_t chunks = packed_in.size(0), rows = packed_in.size(1);
   const int64_t nb_in = num_blocks(row_numel, block_in), rb_in = row_bytes(row_numel, static_cast<int>(bits_in), block_in);
@@ -334,20 +371,84 @@ void cuda_schedule_dequant_reduce_quantize(const at::Tensor& packed_in, const at
         store_scale_bytes(row, j, schedule_group<decltype(v)::value>(src, n, lanes, static_cast<int>(bits_out),
                                                                       stochastic, static_cast<uint64_t>(seed),
                                                                       static_cast<uint64_t>(k * row_numel + e0),
-                                                                      row + 4 * nb, e0));
+                                                                      row + 4 * nb, e0, same ? 0 : log2h_in,
+                                                                      same ? 0 : log2h_out));
       }
   });
 }
 
+// The rotated elementwise kernels (quant_kernels.cu *_rotated_kernel) on emulated threads: thread t
+// of the padded map (rows padded to whole runs, the total to whole warps) holds chunk
+// t % per_row of row t / per_row; fill(r, e, cnt, v) decodes (or reduces) a chunk, finish(r, e, cnt, v)
+// stores it. A cross-chunk stage reads the value of thread t ^ dc, which must be in the same warp
+// and hold chunk c ^ dc of the same row (checked: that is what padding to whole runs guarantees).
+template <typename Fill, typename Finish>
+void schedule_rotated_chunks(int64_t rows, int64_t length, int log2h, Fill fill, Finish finish) {
+  TORCH_CHECK(chunks::chunk_rotation_fused(log2h), "megatron_zpp::_cuda_schedule_*: the CUDA kernels rotate in "
+              "registers only for runs of <= 256");
+  using Chunk = std::array<float, chunks::kChunk>;
+  const int64_t per_row = chunks::padded_row_chunks(length, log2h);
+  const int64_t threads = ceil_div(rows * per_row, chunks::kWarp) * chunks::kWarp;
+  std::vector<Chunk> v(threads, Chunk{});
+  std::vector<int> cnt(threads, 0);
+  auto where = [&](int64_t t) { return std::pair<int64_t, int64_t>{t / per_row, t % per_row}; };
+  for (int64_t t = 0; t < threads; ++t) {
+    const auto [r, c] = where(t);
+    cnt[t] = t < rows * per_row ? chunks::chunk_count(length - c * chunks::kChunk, 0) : 0;
+    if (cnt[t] > 0) {
+      float f[chunks::kChunk] = {};
+      fill(r, c * chunks::kChunk, cnt[t], f);
+      std::copy(f, f + chunks::kChunk, v[t].begin());
+    }
+  }
+  auto as_array = [](Chunk& a) -> float (&)[chunks::kChunk] { return *reinterpret_cast<float(*)[chunks::kChunk]>(a.data()); };
+  for (int64_t t = 0; t < threads; ++t) chunks::chunk_stages(as_array(v[t]), where(t).second * chunks::kChunk, length, log2h);
+  for (int64_t dc = 1; dc < chunks::run_chunks(log2h); dc <<= 1) {
+    const std::vector<Chunk> before = v;
+    for (int64_t t = 0; t < threads; ++t) {
+      const int64_t p = t ^ dc;  // __shfl_xor_sync(lane ^ dc)
+      TORCH_CHECK(p / chunks::kWarp == t / chunks::kWarp, "schedule: shuffle partner outside the warp");
+      const auto [r, c] = where(t);
+      if (t < rows * per_row && cnt[t] > 0)
+        TORCH_CHECK(where(p) == std::make_pair(r, c ^ dc), "schedule: shuffle partner of row ", r, " chunk ", c,
+                    " is not chunk ", (c ^ dc));
+      for (int i = 0; i < chunks::kChunk; ++i)
+        v[t][i] = chunks::cross_chunk_value(before[t][i], before[p][i], c, length, dc, log2h);
+    }
+  }
+  for (int64_t t = 0; t < threads; ++t) {
+    chunks::chunk_run_scale(as_array(v[t]), where(t).second * chunks::kChunk, length, log2h);
+    if (cnt[t] > 0) finish(where(t).first, where(t).second * chunks::kChunk, cnt[t], as_array(v[t]));
+  }
+}
+
 // The elementwise kernels: one emulated thread per chunk.
-void cuda_schedule_dequantize_rows(const at::Tensor& packed, const at::Tensor& out, int64_t bits, int64_t block) {
+void cuda_schedule_dequantize_rows(const at::Tensor& packed, const at::Tensor& out, int64_t bits, int64_t block,
+                                   int64_t hadamard, bool accumulate) {
   const int64_t length = check_dequantize_rows(packed, out, bits, block);
+  const int log2h = check_hadamard(hadamard, block);
   check_cpu(packed, "packed");
   const int64_t rows = packed.size(0), nb = num_blocks(length, block), rb = row_bytes(length, bits, block);
   const uint8_t* in = packed.data_ptr<uint8_t>();
   schedule_dtype(out, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     T* y = static_cast<T*>(out.data_ptr());
+    if (log2h) {
+      schedule_rotated_chunks(rows, length, log2h,
+          [&](int64_t r, int64_t e, int cnt, float (&v)[chunks::kChunk]) {
+            const uint8_t* row = in + r * rb;
+            uint32_t w[2];
+            chunks::load_chunk_words(row + 4 * nb, e, cnt, static_cast<int>(bits), w);
+            chunks::dequantize_chunk(w, static_cast<int>(bits), chunks::load_f32_scale(row, e / block), v);
+          },
+          [&](int64_t r, int64_t e, int cnt, const float (&v)[chunks::kChunk]) {
+            for (int i = 0; i < cnt; ++i) {  // accumulate: cast(rotated decoded + fp32(out)), one rounding
+              T& o = y[r * length + e + i];
+              o = static_cast<T>(accumulate ? f32_add(v[i], static_cast<float>(o)) : v[i]);
+            }
+          });
+      return;
+    }
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t e = 0; e < length; e += chunks::kChunk) {
         const int cnt = chunks::chunk_count(length - e, 0);
@@ -356,14 +457,18 @@ void cuda_schedule_dequantize_rows(const at::Tensor& packed, const at::Tensor& o
         chunks::load_chunk_words(row + 4 * nb, e, cnt, static_cast<int>(bits), w);
         float v[chunks::kChunk];
         chunks::dequantize_chunk(w, static_cast<int>(bits), chunks::load_f32_scale(row, e / block), v);
-        for (int i = 0; i < cnt; ++i) y[r * length + e + i] = static_cast<T>(v[i]);
+        for (int i = 0; i < cnt; ++i) {
+          T& o = y[r * length + e + i];
+          o = static_cast<T>(accumulate ? f32_add(v[i], static_cast<float>(o)) : v[i]);
+        }
       }
   });
 }
 
 void cuda_schedule_dequant_reduce(const at::Tensor& packed_in, const at::Tensor& out, int64_t bits, int64_t block,
-                                  double divisor) {
+                                  double divisor, int64_t hadamard) {
   const int64_t length = check_dequant_reduce(packed_in, out, bits, block, divisor);
+  const int log2h = check_hadamard(hadamard, block);
   check_cpu(packed_in, "packed_in");
   const int64_t chunks = packed_in.size(0), rows = packed_in.size(1);
   const int64_t nb = num_blocks(length, block), rb = row_bytes(length, static_cast<int>(bits), block);
@@ -371,6 +476,17 @@ void cuda_schedule_dequant_reduce(const at::Tensor& packed_in, const at::Tensor&
   schedule_dtype(out, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     T* y = static_cast<T*>(out.data_ptr());
+    if (log2h) {
+      schedule_rotated_chunks(rows, length, log2h,
+          [&](int64_t k, int64_t e, int cnt, float (&acc)[chunks::kChunk]) {
+            chunks::reduce_chunk(packed_in.data_ptr<uint8_t>(), chunks, rows, rb, nb, k, e, cnt,
+                                 static_cast<int>(bits), block, acc);
+          },
+          [&](int64_t k, int64_t e, int cnt, const float (&acc)[chunks::kChunk]) {
+            for (int i = 0; i < cnt; ++i) y[k * length + e + i] = static_cast<T>(f32_div(acc[i], d));
+          });
+      return;
+    }
     for (int64_t k = 0; k < rows; ++k)
       for (int64_t e = 0; e < length; e += chunks::kChunk) {
         const int cnt = chunks::chunk_count(length - e, 0);
@@ -417,10 +533,17 @@ TORCH_LIBRARY_FRAGMENT(megatron_zpp, m) {
   m.def("_set_cpu_isa(str isa) -> str", &zpp::set_cpu_isa);
   // Test-only: the CUDA kernels' work decomposition (zpp/quant_chunks.h) run on CPU tensors.
   m.def("_cuda_group_shape(int block) -> int[]", &zpp::cuda_group_shape);
-  m.def("_cuda_schedule_quantize_rows_(Tensor x, Tensor(a!) packed, int bits, int block, bool stochastic, int seed) -> ()");
-  m.def("_cuda_schedule_dequantize_rows_(Tensor packed, Tensor(a!) out, int bits, int block) -> ()");
+  m.def(
+      "_cuda_schedule_quantize_rows_(Tensor x, Tensor(a!) packed, int bits, int block, bool stochastic, int seed, "
+      "int hadamard=0) -> ()");
+  m.def(
+      "_cuda_schedule_dequantize_rows_(Tensor packed, Tensor(a!) out, int bits, int block, int hadamard=0, "
+      "bool accumulate=False) -> ()");
   m.def(
       "_cuda_schedule_dequant_reduce_quantize_(Tensor packed_in, Tensor(a!) packed_out, int row_numel, int bits_in, "
-      "int block_in, int bits_out, int block_out, bool stochastic, int seed) -> ()");
-  m.def("_cuda_schedule_dequant_reduce_(Tensor packed_in, Tensor(a!) out, int bits, int block, float divisor) -> ()");
+      "int block_in, int bits_out, int block_out, bool stochastic, int seed, int hadamard_in=0, "
+      "int hadamard_out=0) -> ()");
+  m.def(
+      "_cuda_schedule_dequant_reduce_(Tensor packed_in, Tensor(a!) out, int bits, int block, float divisor, "
+      "int hadamard=0) -> ()");
 }

@@ -6,6 +6,7 @@
 
 #include "zpp/cuda_launchers.h"
 #include "zpp/op_checks.h"
+#include "zpp/quant_chunks.h"
 
 namespace zpp {
 namespace {
@@ -24,9 +25,11 @@ void check_aligned(const at::Tensor& packed, const char* name) {
               " must start on a 4-byte boundary");
 }
 
-// Hadamard smoothing (hadamard != 0) composes the kernels below with launch_hadamard_runs through fp32
-// temporaries from the caching allocator, on the current stream: the same operations in the same order
-// as the CPU kernels and the reference (blockwise.md), so the same bits, without a fused kernel yet.
+// Hadamard smoothing (hadamard != 0) runs in the kernels' registers where zpp/quant_chunks.h says it is
+// fused (quantizing blocks <= 2048 elements, runs <= 256 in the elementwise kernels: SDP4Bit's 32 and
+// every block it uses). Other shapes compose the plain kernels with launch_hadamard_runs through fp32
+// temporaries from the caching allocator, on the current stream. Both do the same operations in the
+// same order as the CPU kernels and the reference (blockwise.md), so the same bits.
 at::Tensor fp32_work(const at::Tensor& like, int64_t numel) {
   return at::empty({numel}, like.options().dtype(at::kFloat));
 }
@@ -43,14 +46,15 @@ void quantize_any(const at::Tensor& x, const at::Tensor& packed, int64_t length,
   const int64_t rows = packed.size(0);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor src = x;
-  if (log2h) {
+  const bool fused = log2h && chunks::group_rotation_fused(block);
+  if (log2h && !fused) {
     src = fp32_work(x, x.numel());
     src.copy_(x.view(-1));  // exact widening
     rotate(src, rows, length, log2h);
   }
   cuda::launch_quantize_rows(src.data_ptr(), float_type(src), packed.data_ptr<uint8_t>(), rows, length,
                              static_cast<int>(bits), block, stochastic, static_cast<uint64_t>(seed), reorder, nodes,
-                             node_size, stages, at::cuda::getCurrentCUDAStream());
+                             node_size, stages, at::cuda::getCurrentCUDAStream(), fused ? log2h : 0);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -74,9 +78,9 @@ void dequantize_rows_any(const at::Tensor& packed, const at::Tensor& out, int64_
   check_aligned(packed, "packed");
   const int64_t rows = packed.size(0);
   const c10::cuda::CUDAGuard guard(out.device());
-  if (!log2h) {
+  if (!log2h || chunks::chunk_rotation_fused(log2h)) {
     cuda::launch_dequantize_rows(packed.data_ptr<uint8_t>(), out.data_ptr(), float_type(out), rows, length,
-                                 static_cast<int>(bits), block, at::cuda::getCurrentCUDAStream(), accumulate);
+                                 static_cast<int>(bits), block, at::cuda::getCurrentCUDAStream(), accumulate, log2h);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
@@ -124,10 +128,12 @@ void dequant_reduce_quantize_cuda(const at::Tensor& packed_in, const at::Tensor&
   check_aligned(packed_out, "packed_out");
   const c10::cuda::CUDAGuard guard(packed_in.device());
   const int64_t rows = packed_in.size(1);
-  if (log2h_in != log2h_out) {  // equal: the sum stays in the rotated domain, as on CPU
+  // Equal rotations: the sum stays in the rotated domain, as on CPU (no rotation at all).
+  const int rot_in = log2h_in == log2h_out ? 0 : log2h_in, rot_out = log2h_in == log2h_out ? 0 : log2h_out;
+  if ((rot_in || rot_out) && !chunks::group_rotation_fused(block_out)) {
     at::Tensor acc = reduce_fp32(packed_in, row_numel, bits_in, block_in);
-    if (log2h_in) rotate(acc, rows, row_numel, log2h_in);
-    if (log2h_out) rotate(acc, rows, row_numel, log2h_out);
+    if (rot_in) rotate(acc, rows, row_numel, rot_in);
+    if (rot_out) rotate(acc, rows, row_numel, rot_out);
     cuda::launch_quantize_rows(acc.data_ptr(), cuda::FloatType::kFloat32, packed_out.data_ptr<uint8_t>(), rows,
                                row_numel, static_cast<int>(bits_out), block_out, stochastic,
                                static_cast<uint64_t>(seed), false, 1, 1, 1, at::cuda::getCurrentCUDAStream());
@@ -137,7 +143,7 @@ void dequant_reduce_quantize_cuda(const at::Tensor& packed_in, const at::Tensor&
   cuda::launch_dequant_reduce_quantize(packed_in.data_ptr<uint8_t>(), packed_out.data_ptr<uint8_t>(),
                                        packed_in.size(0), rows, row_numel, static_cast<int>(bits_in),
                                        block_in, static_cast<int>(bits_out), block_out, stochastic,
-                                       static_cast<uint64_t>(seed), at::cuda::getCurrentCUDAStream());
+                                       static_cast<uint64_t>(seed), at::cuda::getCurrentCUDAStream(), rot_in, rot_out);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -148,7 +154,7 @@ void dequant_reduce_cuda(const at::Tensor& packed_in, const at::Tensor& out, int
   check_aligned(packed_in, "packed_in");
   const int64_t rows = packed_in.size(1);
   const c10::cuda::CUDAGuard guard(out.device());
-  if (log2h) {
+  if (log2h && !chunks::chunk_rotation_fused(log2h)) {
     at::Tensor acc = reduce_fp32(packed_in, length, bits, block);
     rotate(acc, rows, length, log2h);
     // Tensor / tensor: an IEEE division per element (a Python-number divisor would multiply by its reciprocal).
@@ -158,7 +164,7 @@ void dequant_reduce_cuda(const at::Tensor& packed_in, const at::Tensor& out, int
   }
   cuda::launch_dequant_reduce(packed_in.data_ptr<uint8_t>(), out.data_ptr(), float_type(out), packed_in.size(0), rows,
                               length, static_cast<int>(bits), block, static_cast<float>(divisor),
-                              at::cuda::getCurrentCUDAStream());
+                              at::cuda::getCurrentCUDAStream(), log2h);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

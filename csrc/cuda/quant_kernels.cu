@@ -23,6 +23,8 @@
 
 #include <string.h>
 
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 
 #include "zpp/cuda_float_io.cuh"
@@ -122,19 +124,41 @@ struct InputSource {  // the block's values straight from x
   }
 };
 
+// The Hadamard rotation of a block staged in a group's registers (quant_chunks.h, "Hadamard runs
+// over threads"): groups of at most a warp, the host checks chunks::group_rotation_fused.
+// log2h == 0: nothing. Every lane of the warp runs every stage (shuffles), idle groups included.
+template <int V>
+__device__ __forceinline__ void group_rotate(float (&v)[V][kChunk], int64_t n, int lane, int lanes, int log2h) {
+  if (log2h == 0) return;  // uniform: a kernel argument
+  const int stages = chunks::rotation_stages(log2h);
+  for (int st = 0; st < stages; ++st)
+    chunks::lane_rotation_stage<V>(v, n, lane, lanes, log2h, st, [&](int s, int i, int64_t dc) {
+      return __shfl_xor_sync(kFull, v[s][i], static_cast<int>(dc));
+    });
+  chunks::lane_rotation_scale<V>(v, n, lane, lanes, log2h);
+}
+
 // Quantizes one block of n values into a packed row (scale k, data from element e0) with this
 // thread's group. n == 0: the group is idle this round and only joins the max.
-// V: chunks per lane staged in registers, 0 = streamed (see quant_chunks.h).
+// V: chunks per lane staged in registers, 0 = streamed (see quant_chunks.h). log2h_a, log2h_b: the
+// rotations applied to the staged values before the absmax, in that order (0: none; staged groups
+// of <= 32 lanes only).
 template <int V, typename Source>
 __device__ __forceinline__ void quantize_group(Source& src, int64_t n, int lanes, int bits, bool stochastic,
                                                uint64_t seed, uint64_t index0, uint8_t* row, int64_t nb, int64_t k,
-                                               int64_t e0, uint32_t* warp_max) {
+                                               int64_t e0, uint32_t* warp_max, int log2h_a, int log2h_b) {
   const int lane = static_cast<int>(threadIdx.x) % lanes;
   chunks::RowSink sink{row + 4 * nb, e0, bits};
   chunks::BlockQuant q;
   if constexpr (V > 0) {
     float v[V][kChunk];
-    const uint32_t m = group_max(chunks::lane_stage<V>(src, n, lane, lanes, v), lanes, warp_max);
+    uint32_t m = chunks::lane_stage<V>(src, n, lane, lanes, v);
+    if (log2h_a | log2h_b) {
+      group_rotate<V>(v, n, lane, lanes, log2h_a);
+      group_rotate<V>(v, n, lane, lanes, log2h_b);
+      m = chunks::lane_staged_absmax<V>(v, n, lane, lanes);
+    }
+    m = group_max(m, lanes, warp_max);
     if (n == 0) return;
     q = chunks::block_quant(m, bits, stochastic, seed);
     chunks::lane_quantize<V>(sink, v, n, lane, lanes, bits, q, index0);
@@ -152,7 +176,7 @@ template <int V, typename T>
 __global__ void __launch_bounds__(kCtaThreads)
     quantize_rows_kernel(const T* __restrict__ x, uint8_t* __restrict__ packed, int64_t rows, int64_t length,
                          int bits, int64_t block, int lanes, bool stochastic, uint64_t seed, bool reorder,
-                         int64_t nodes, int64_t node_size, int64_t stages) {
+                         int64_t nodes, int64_t node_size, int64_t stages, int log2h) {
   __shared__ uint32_t warp_max[kCtaThreads / kWarp];
   const int64_t nb = num_blocks(length, block), total = rows * nb, rb = row_bytes(length, bits, block);
   const int per_cta = kCtaThreads / lanes;
@@ -170,7 +194,7 @@ __global__ void __launch_bounds__(kCtaThreads)
     const int64_t out_row = reorder ? reorder_slot_of_input_row(r, stages, node_size, nodes) : r;
     InputSource<T> src{x + r * length + e0};
     quantize_group<V>(src, n, lanes, bits, stochastic, seed, static_cast<uint64_t>(r * length + e0),
-                      packed + out_row * rb, nb, k, e0, warp_max);
+                      packed + out_row * rb, nb, k, e0, warp_max, log2h, 0);
   }
 }
 
@@ -180,7 +204,8 @@ template <int V>
 __global__ void __launch_bounds__(kCtaThreads)
     dequant_reduce_quantize_kernel(const uint8_t* __restrict__ packed_in, uint8_t* __restrict__ packed_out,
                                    int64_t chunks, int64_t rows, int64_t length, int bits_in, int64_t block_in,
-                                   int bits_out, int64_t block_out, int lanes, bool stochastic, uint64_t seed) {
+                                   int bits_out, int64_t block_out, int lanes, bool stochastic, uint64_t seed,
+                                   int log2h_in, int log2h_out) {
   __shared__ uint32_t warp_max[kCtaThreads / kWarp];
   const int64_t nb_out = num_blocks(length, block_out), total = rows * nb_out;
   const int64_t rb_in = row_bytes(length, bits_in, block_in), nb_in = num_blocks(length, block_in);
@@ -198,8 +223,28 @@ __global__ void __launch_bounds__(kCtaThreads)
     const int64_t e0 = j * block_out;
     chunks::ReduceSource src{packed_in, chunks, rows, rb_in, nb_in, k, e0, bits_in, block_in};
     quantize_group<V>(src, n, lanes, bits_out, stochastic, seed, static_cast<uint64_t>(k * length + e0),
-                      packed_out + k * rb_out, nb_out, j, e0, warp_max);
+                      packed_out + k * rb_out, nb_out, j, e0, warp_max, log2h_in, log2h_out);
   }
+}
+
+// The chunk at element e of a packed row (nb scales first), decoded to fp32.
+__device__ __forceinline__ void decode_chunk(const uint8_t* row, int64_t nb, int64_t e, int cnt, int bits,
+                                             int64_t block, float (&v)[kChunk]) {
+  uint32_t w[2];
+  chunks::load_chunk_words(row + 4 * nb, e, cnt, bits, w);
+  chunks::dequantize_chunk(w, bits, chunks::load_f32_scale(row, e / block), v);
+}
+
+// Stores a decoded chunk; kAccumulate: out = cast(decoded + fp32(out)), one rounding (qWD's decode-and-add).
+template <bool kAccumulate, typename T>
+__device__ __forceinline__ void store_decoded(T* out, int cnt, float (&v)[kChunk]) {
+  if constexpr (kAccumulate) {
+    float base[kChunk];
+    load_chunk(out, cnt, base);
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) v[i] = f32_add(v[i], base[i]);
+  }
+  store_chunk(out, cnt, v);
 }
 
 template <typename T, bool kAccumulate>
@@ -211,18 +256,9 @@ __global__ void __launch_bounds__(kCtaThreads)
   for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < total; t += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = t / per_row, e = (t - r * per_row) * kChunk;
     const int cnt = chunks::chunk_count(length - e, 0);
-    const uint8_t* row = packed + r * rb;
-    uint32_t w[2];
-    chunks::load_chunk_words(row + 4 * nb, e, cnt, bits, w);
     float v[kChunk];
-    chunks::dequantize_chunk(w, bits, chunks::load_f32_scale(row, e / block), v);
-    if constexpr (kAccumulate) {  // out = cast(decoded + fp32(out)): one rounding
-      float base[kChunk];
-      load_chunk(out + r * length + e, cnt, base);
-#pragma unroll
-      for (int i = 0; i < kChunk; ++i) v[i] = f32_add(v[i], base[i]);
-    }
-    store_chunk(out + r * length + e, cnt, v);
+    decode_chunk(packed + r * rb, nb, e, cnt, bits, block, v);
+    store_decoded<kAccumulate>(out + r * length + e, cnt, v);
   }
 }
 
@@ -241,6 +277,72 @@ __global__ void __launch_bounds__(kCtaThreads)
     for (int i = 0; i < kChunk; ++i) acc[i] = f32_div(acc[i], divisor);
     store_chunk(out + k * length + e, cnt, acc);
   }
+}
+
+// The rotated elementwise kernels: one thread per chunk, each row's chunks padded to whole runs of
+// rc = h / 8 <= 32 chunks (chunks::padded_row_chunks), so the chunks of a run are adjacent lanes of one
+// warp and a cross-chunk stage is a shuffle. Threads are taken a warp at a time (the loop bound is
+// the warp's first thread), so every lane reaches every shuffle; padding and tail lanes hold no data.
+__device__ __forceinline__ void chunk_rotate(float (&v)[kChunk], int64_t c, int64_t n, int log2h) {
+  chunks::chunk_stages(v, c * kChunk, n, log2h);
+  for (int64_t dc = 1; dc < chunks::run_chunks(log2h); dc <<= 1) {
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) {
+      const float p = __shfl_xor_sync(kFull, v[i], static_cast<int>(dc));
+      v[i] = chunks::cross_chunk_value(v[i], p, c, n, dc, log2h);
+    }
+  }
+  chunks::chunk_run_scale(v, c * kChunk, n, log2h);
+}
+
+template <typename T, bool kAccumulate>
+__global__ void __launch_bounds__(kCtaThreads)
+    dequantize_rows_rotated_kernel(const uint8_t* __restrict__ packed, T* __restrict__ out, int64_t rows,
+                                   int64_t length, int bits, int64_t block, int log2h) {
+  const int64_t per_row = chunks::padded_row_chunks(length, log2h), total = rows * per_row;
+  const int64_t nb = num_blocks(length, block), rb = row_bytes(length, bits, block);
+  const int lane = static_cast<int>(threadIdx.x) & (kWarp - 1);
+  for (int64_t t0 = int64_t(blockIdx.x) * blockDim.x + (threadIdx.x - lane); t0 < total;
+       t0 += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = t0 + lane;
+    const int64_t r = t / per_row, c = t - r * per_row, e = c * kChunk;
+    const int cnt = t < total ? chunks::chunk_count(length - e, 0) : 0;
+    float v[kChunk] = {};
+    if (cnt > 0) decode_chunk(packed + r * rb, nb, e, cnt, bits, block, v);
+    chunk_rotate(v, c, length, log2h);
+    if (cnt > 0) store_decoded<kAccumulate>(out + r * length + e, cnt, v);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kCtaThreads)
+    dequant_reduce_rotated_kernel(const uint8_t* __restrict__ packed_in, T* __restrict__ out, int64_t chunks,
+                                  int64_t rows, int64_t length, int bits, int64_t block, float divisor, int log2h) {
+  const int64_t per_row = chunks::padded_row_chunks(length, log2h), total = rows * per_row;
+  const int64_t nb = num_blocks(length, block), rb = row_bytes(length, bits, block);
+  const int lane = static_cast<int>(threadIdx.x) & (kWarp - 1);
+  for (int64_t t0 = int64_t(blockIdx.x) * blockDim.x + (threadIdx.x - lane); t0 < total;
+       t0 += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = t0 + lane;
+    const int64_t k = t / per_row, c = t - k * per_row, e = c * kChunk;
+    const int cnt = t < total ? chunks::chunk_count(length - e, 0) : 0;
+    float acc[kChunk] = {};
+    if (cnt > 0) chunks::reduce_chunk(packed_in, chunks, rows, rb, nb, k, e, cnt, bits, block, acc);
+    chunk_rotate(acc, c, length, log2h);
+    if (cnt > 0) {
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) acc[i] = f32_div(acc[i], divisor);
+      store_chunk(out + k * length + e, cnt, acc);
+    }
+  }
+}
+
+// The binding composes the shapes the kernels do not rotate in registers; a launcher asked for one
+// anyway would shuffle across group or warp bounds (wrong bytes, silently): refuse.
+void check_fused(bool fused, const char* launcher) {
+  if (!fused)
+    throw std::invalid_argument(std::string("megatron_zpp: ") + launcher +
+                                ": this shape's Hadamard rotation is not fused (quant_chunks.h *_rotation_fused)");
 }
 
 unsigned grid_for(int64_t items, int64_t per_cta) {
@@ -272,7 +374,8 @@ void dispatch_chunks_per_lane(int v, Launch launch) {
 
 void launch_quantize_rows(const void* x, FloatType type, uint8_t* packed, int64_t rows, int64_t length, int bits,
                           int64_t block, bool stochastic, uint64_t seed, bool reorder, int64_t nodes,
-                          int64_t node_size, int64_t stages, cudaStream_t stream) {
+                          int64_t node_size, int64_t stages, cudaStream_t stream, int log2h) {
+  check_fused(log2h == 0 || chunks::group_rotation_fused(block), "launch_quantize_rows");
   const int64_t blocks = rows * num_blocks(length, block);
   if (blocks == 0) return;
   const chunks::GroupShape shape = chunks::group_shape(block);
@@ -282,18 +385,27 @@ void launch_quantize_rows(const void* x, FloatType type, uint8_t* packed, int64_
     dispatch_chunks_per_lane(shape.chunks_per_lane, [&](auto v) {
       quantize_rows_kernel<decltype(v)::value, T><<<grid, kCtaThreads, 0, stream>>>(
           static_cast<const T*>(x), packed, rows, length, bits, block, shape.lanes, stochastic, seed, reorder, nodes,
-          node_size, stages);
+          node_size, stages, log2h);
     });
   });
 }
 
 void launch_dequantize_rows(const uint8_t* packed, void* out, FloatType type, int64_t rows, int64_t length, int bits,
-                            int64_t block, cudaStream_t stream, bool accumulate) {
+                            int64_t block, cudaStream_t stream, bool accumulate, int log2h) {
+  check_fused(chunks::chunk_rotation_fused(log2h), "launch_dequantize_rows");
   const int64_t items = rows * ceil_div(length, kChunk);
   if (items == 0) return;
   dispatch_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    if (accumulate) {
+    if (log2h) {
+      const int64_t threads = rows * chunks::padded_row_chunks(length, log2h);
+      if (accumulate)
+        dequantize_rows_rotated_kernel<T, true><<<grid_for(threads, kCtaThreads), kCtaThreads, 0, stream>>>(
+            packed, static_cast<T*>(out), rows, length, bits, block, log2h);
+      else
+        dequantize_rows_rotated_kernel<T, false><<<grid_for(threads, kCtaThreads), kCtaThreads, 0, stream>>>(
+            packed, static_cast<T*>(out), rows, length, bits, block, log2h);
+    } else if (accumulate) {
       dequantize_rows_kernel<T, true><<<grid_for(items, kCtaThreads), kCtaThreads, 0, stream>>>(
           packed, static_cast<T*>(out), rows, length, bits, block);
     } else {
@@ -305,7 +417,10 @@ void launch_dequantize_rows(const uint8_t* packed, void* out, FloatType type, in
 
 void launch_dequant_reduce_quantize(const uint8_t* packed_in, uint8_t* packed_out, int64_t chunks, int64_t rows,
                                     int64_t length, int bits_in, int64_t block_in, int bits_out, int64_t block_out,
-                                    bool stochastic, uint64_t seed, cudaStream_t stream) {
+                                    bool stochastic, uint64_t seed, cudaStream_t stream, int log2h_in,
+                                    int log2h_out) {
+  check_fused((log2h_in == 0 && log2h_out == 0) || chunks::group_rotation_fused(block_out),
+              "launch_dequant_reduce_quantize");
   const int64_t blocks = rows * num_blocks(length, block_out);
   if (blocks == 0) return;
   const chunks::GroupShape shape = chunks::group_shape(block_out);
@@ -313,16 +428,23 @@ void launch_dequant_reduce_quantize(const uint8_t* packed_in, uint8_t* packed_ou
   dispatch_chunks_per_lane(shape.chunks_per_lane, [&](auto v) {
     dequant_reduce_quantize_kernel<decltype(v)::value><<<grid, kCtaThreads, 0, stream>>>(
         packed_in, packed_out, chunks, rows, length, bits_in, block_in, bits_out, block_out, shape.lanes, stochastic,
-        seed);
+        seed, log2h_in, log2h_out);
   });
 }
 
 void launch_dequant_reduce(const uint8_t* packed_in, void* out, FloatType type, int64_t chunks, int64_t rows,
-                           int64_t length, int bits, int64_t block, float divisor, cudaStream_t stream) {
+                           int64_t length, int bits, int64_t block, float divisor, cudaStream_t stream, int log2h) {
+  check_fused(chunks::chunk_rotation_fused(log2h), "launch_dequant_reduce");
   const int64_t items = rows * ceil_div(length, kChunk);
   if (items == 0) return;
   dispatch_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
+    if (log2h) {
+      dequant_reduce_rotated_kernel<T><<<grid_for(rows * chunks::padded_row_chunks(length, log2h), kCtaThreads),
+                                         kCtaThreads, 0, stream>>>(packed_in, static_cast<T*>(out), chunks, rows,
+                                                                   length, bits, block, divisor, log2h);
+      return;
+    }
     dequant_reduce_kernel<T><<<grid_for(items, kCtaThreads), kCtaThreads, 0, stream>>>(
         packed_in, static_cast<T*>(out), chunks, rows, length, bits, block, divisor);
   });

@@ -304,15 +304,18 @@ def hadamard_checks(ck: Checker, dev, small: bool, quick: bool) -> None:
     """SDP4Bit's ops (issue 23): the five blocked ops with the Hadamard rotation (hadamard=H; the fused
     reduce with the rotation on either side or both) and qWD's decode-and-add (dequantize_add_rows_), each
     against the CPU oracles. Block/run pairs that take the CPU's vector loops (runs of 8..32, blocks of 32k)
-    and ones that do not (runs of 2, blocks of 40), lengths with a partial last block and a partial last run."""
+    and ones that do not (runs of 2, blocks of 40), lengths with a partial last block and a partial last run.
+    On CUDA, blocks <= 2048 and runs <= 256 rotate in the kernels' registers; (4, 4096, 32) and (8, 1024, 512)
+    take the composed fp32 passes (quantizing, resp. decoding), so both paths run."""
     import torch
 
     from megatron_zpp.compression import layout, ops
 
-    cases = [(4, 128, 32), (8, 256, 64), (4, 2048, 32), (8, 512, 8), (4, 40, 8), (4, 64, 2)]
+    cases = [(4, 128, 32), (8, 256, 64), (4, 2048, 32), (8, 512, 8), (4, 40, 8), (4, 64, 2), (4, 4096, 32),
+             (8, 1024, 512)]
     shapes = [(4, 1031), (2, 4096)] + ([] if quick else [(1, 200_003)])
     if small:
-        cases, shapes = [(4, 128, 32), (4, 40, 8)], [(4, 1031)]
+        cases, shapes = [(4, 128, 32), (4, 40, 8), (4, 4096, 32)], [(4, 1031)]
     for bits, block, h in cases:
         for rows, length in shapes:
             for dtype in DTYPES if not small else DTYPES[:2]:
@@ -327,9 +330,18 @@ def hadamard_checks(ck: Checker, dev, small: bool, quick: bool) -> None:
                             want = torch.empty(rows, rb, dtype=torch.uint8)
                             ops.quantize_rows_(x, want, bits, block, stochastic, SEED, h, backend=backend)
                             same_bytes(got, want, f"quantize hadamard={h} vs {name}")
+                        if rows == 4:  # qgZ's reordered quantize, 2 nodes x 2 ranks
+                            got = torch.full((rows, rb), 0xAB, dtype=torch.uint8, device=dev)
+                            ops.reorder_quantize_(x.to(dev), got, bits, block, 2, 2, 1, stochastic, SEED, h,
+                                                  backend="kernel")
+                            for name, backend in oracles(dev, x.numel()):
+                                want = torch.empty(rows, rb, dtype=torch.uint8)
+                                ops.reorder_quantize_(x, want, bits, block, 2, 2, 1, stochastic, SEED, h,
+                                                      backend=backend)
+                                same_bytes(got, want, f"reorder_quantize hadamard={h} vs {name}")
                         return None
 
-                    ck.run("quantize_rows_+hadamard", quantize, **labels, stochastic=stochastic)
+                    ck.run("quantize_rows_+hadamard, reorder_quantize_", quantize, **labels, stochastic=stochastic)
                 packed = ops.quantize(x.float(), bits, block, rows=rows, hadamard=h, backend="reference")
 
                 def decode(packed=packed, x=x, bits=bits, block=block, h=h):
@@ -351,7 +363,8 @@ def hadamard_checks(ck: Checker, dev, small: bool, quick: bool) -> None:
                 continue
             packed_in = ops.quantize(sample(rows * length, torch.float32, seed=h), bits, block, rows=rows,
                                      hadamard=h, backend="reference").view(2, rows // 2, -1)
-            for h_in, h_out in ((0, h), (h, 0), (h, h)):
+            # in then out rotations (a different pair too: the fused kernel rotates twice)
+            for h_in, h_out in ((0, h), (h, 0), (h, h)) + (((8 if h > 8 else 2), h),) * (h > 2):
                 def drq(packed_in=packed_in, length=length, bits=bits, block=block, io=(h_in, h_out)):
                     return check_drq(dev, packed_in, (length, bits, block, 4, 2 * block, False, SEED, *io),
                                      f"dequant_reduce_quantize hadamard {io}")

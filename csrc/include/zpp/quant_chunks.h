@@ -234,6 +234,21 @@ ZPP_UNROLL
   return m;
 }
 
+// The absmax bits of the lane's staged chunks (after an in-register rotation).
+template <int V>
+ZPP_HD uint32_t lane_staged_absmax(const float (&v)[V][kChunk], int64_t n, int lane, int lanes) {
+  uint32_t m = 0;
+ZPP_UNROLL
+  for (int j = 0; j < V; ++j) {
+    const int cnt = chunk_count(n, lane + int64_t(j) * lanes);
+    if (cnt > 0) {
+      const uint32_t b = chunk_absmax_bits(v[j], cnt);
+      m = m > b ? m : b;
+    }
+  }
+  return m;
+}
+
 // Pass 2 (staged): quantizes and stores the lane's staged chunks.
 template <int V, typename Sink>
 ZPP_HD void lane_quantize(Sink& sink, const float (&v)[V][kChunk], int64_t n, int lane, int lanes, int bits,
@@ -275,6 +290,134 @@ ZPP_HD void lane_quantize_streamed(Source& src, Sink& sink, int64_t n, int lane,
     quantize_chunk(v, cnt, bits, q, index0 + uint64_t(c) * kChunk, w);
     sink.store(c, cnt, w);
   }
+}
+
+// ------------------------------------------ Hadamard runs over threads ----
+// The fused rotated kernels apply quant_math.h hadamard_range to values spread over threads, chunk
+// by chunk: stages of stride d < 8 pair elements inside a chunk, stages of stride d >= 8 pair chunk
+// c with chunk c ^ (d / 8) (same element). Each element goes through the same fp32 operations as in
+// hadamard_run, stage after stage in the same order, so the bits are the same; a run shorter than h
+// at the end of a row (partial) is left as it is. Element indices e are relative to a row or to a
+// block start (blocks start at multiples of h); n is the number of valid elements from there.
+// In a quantizing group, lane l slot s holds chunk c = s * lanes + l: a chunk stride dc < lanes is
+// the lane l ^ dc (a warp shuffle; groups of <= 32 lanes only), dc >= lanes the slot s ^ (dc / lanes).
+// In the elementwise kernels a thread holds one chunk and a row's chunks are padded to whole runs, so
+// the chunks of a run sit in adjacent lanes of one warp (runs of <= 32 chunks: h <= 256).
+
+constexpr int kMaxFusedRunChunks = kWarp;  // h <= 256 in the elementwise kernels
+
+// Whether the CUDA kernels rotate in registers (else the binding composes fp32 passes): quantizing
+// groups of at most a warp (blocks <= 2048 elements), elementwise kernels with runs of <= 256.
+ZPP_HD bool group_rotation_fused(int64_t block) { return group_shape(block).lanes <= kWarp; }
+ZPP_HD bool chunk_rotation_fused(int log2h) { return log2h <= 8; }
+
+// Whether the run holding element e (of n valid ones) is whole, so transformed.
+ZPP_HD bool run_is_full(int64_t e, int64_t n, int log2h) {
+  const int64_t h = int64_t(1) << log2h;
+  return (e & ~(h - 1)) + h <= n;
+}
+
+// The butterfly of the element at the lower (sum) or upper (difference) index of a pair:
+// hadamard_run's v[j] = a + b, v[j + d] = a - b with a the lower value, b the upper.
+ZPP_HD float butterfly(float own, float partner, bool lower) {
+  return lower ? f32_add(own, partner) : f32_add(partner, -own);
+}
+
+// The in-chunk stages (strides 1, 2, 4 below h) of the runs of the chunk starting at element e.
+// Strides and indices are compile-time after unrolling (a run-time index into v would put the
+// staged values in local memory on a GPU).
+ZPP_HD void chunk_stages(float (&v)[kChunk], int64_t e, int64_t n, int log2h) {
+  const int h = 1 << log2h;
+ZPP_UNROLL
+  for (int d = 1; d < kChunk; d <<= 1) {
+    if (d >= h) continue;
+ZPP_UNROLL
+    for (int i = 0; i < kChunk; ++i) {
+      if ((i & d) || !run_is_full(e + i, n, log2h)) continue;
+      const float a = v[i], b = v[i + d];
+      v[i] = f32_add(a, b);
+      v[i + d] = f32_add(a, -b);
+    }
+  }
+}
+
+// One value of a cross-chunk stage (chunk stride dc): own and its partner's value before the stage.
+ZPP_HD float cross_chunk_value(float own, float partner, int64_t c, int64_t n, int64_t dc, int log2h) {
+  return run_is_full(c * kChunk, n, log2h) ? butterfly(own, partner, (c & dc) == 0) : own;
+}
+
+// The last step of the runs of a chunk: the multiply by hadamard_scale.
+ZPP_HD void chunk_run_scale(float (&v)[kChunk], int64_t e, int64_t n, int log2h) {
+  const float s = hadamard_scale(log2h);
+ZPP_UNROLL
+  for (int i = 0; i < kChunk; ++i)
+    if (run_is_full(e + i, n, log2h)) v[i] = f32_mul(v[i], s);
+}
+
+// A cross-chunk stage whose partner chunks are in this lane's own slots (dc >= lanes): slot s pairs
+// with slot s ^ sx, sx = dc / lanes. The slot stride is matched against compile-time candidates so
+// that every index into v is a constant after unrolling (registers, not local memory).
+template <int V>
+ZPP_HD void lane_slot_stage(float (&v)[V][kChunk], int64_t n, int lane, int lanes, int64_t dc, int log2h) {
+  if constexpr (V > 1) {
+ZPP_UNROLL
+    for (int sx = 1; sx < V; sx <<= 1) {
+      if (int64_t(sx) * lanes != dc) continue;
+ZPP_UNROLL
+      for (int s = 0; s < V; ++s) {
+        if (s & sx) continue;
+        const int64_t c = lane + int64_t(s) * lanes;
+        if (!run_is_full(c * kChunk, n, log2h)) continue;  // the partner chunk is in the same run
+ZPP_UNROLL
+        for (int i = 0; i < kChunk; ++i) {
+          const float a = v[s][i], b = v[s + sx][i];
+          v[s][i] = f32_add(a, b);
+          v[s + sx][i] = f32_add(a, -b);
+        }
+      }
+    }
+  }
+}
+
+// Stage st of the rotation of a lane's staged chunks, every lane of the group in step: st 0 is the
+// in-chunk stages, st >= 1 the cross-chunk stage of chunk stride 2^(st - 1). partner(s, i, dc)
+// returns element i of slot s of lane ^ dc as it was before this stage; on a GPU it is a shuffle,
+// which every lane must reach for every (s, i): nothing before the call depends on the data.
+ZPP_HD int rotation_stages(int log2h) { return log2h > 3 ? log2h - 2 : 1; }
+
+template <int V, typename Partner>
+ZPP_HD void lane_rotation_stage(float (&v)[V][kChunk], int64_t n, int lane, int lanes, int log2h, int st,
+                                Partner partner) {
+  if (st == 0) {
+ZPP_UNROLL
+    for (int s = 0; s < V; ++s) chunk_stages(v[s], (lane + int64_t(s) * lanes) * kChunk, n, log2h);
+    return;
+  }
+  const int64_t dc = int64_t(1) << (st - 1);
+  if (dc >= lanes) return lane_slot_stage<V>(v, n, lane, lanes, dc, log2h);
+ZPP_UNROLL
+  for (int s = 0; s < V; ++s) {
+    const int64_t c = lane + int64_t(s) * lanes;
+ZPP_UNROLL
+    for (int i = 0; i < kChunk; ++i) {
+      const float p = partner(s, i, dc);
+      v[s][i] = cross_chunk_value(v[s][i], p, c, n, dc, log2h);
+    }
+  }
+}
+
+template <int V>
+ZPP_HD void lane_rotation_scale(float (&v)[V][kChunk], int64_t n, int lane, int lanes, int log2h) {
+ZPP_UNROLL
+  for (int s = 0; s < V; ++s) chunk_run_scale(v[s], (lane + int64_t(s) * lanes) * kChunk, n, log2h);
+}
+
+// The elementwise kernels' thread -> chunk map with rows padded to whole runs of rc = max(1, h / 8)
+// chunks: thread t (of a padded total) takes row t / per_row_padded, chunk t % per_row_padded.
+ZPP_HD int64_t run_chunks(int log2h) { return log2h > 3 ? int64_t(1) << (log2h - 3) : 1; }
+ZPP_HD int64_t padded_row_chunks(int64_t length, int log2h) {
+  const int64_t rc = run_chunks(log2h);
+  return ceil_div(ceil_div(length, kChunk), rc) * rc;
 }
 
 // ------------------------------------------------- sources and sinks ----
