@@ -175,10 +175,10 @@ def sdp4bit_main(args) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = _study_path(out_dir, args.model, args.steps)
     data = _load_study(path, args.model, args.steps)
-    if not path.exists():
-        path.write_text(json.dumps(data, indent=1))
     done = [[name, r["seed"]] for name, records in data["results"].items() for r in records]
     if not args.report:
+        if not path.exists():
+            path.write_text(json.dumps(data, indent=1))
         if done:
             print(f"resuming {path}: {len(done)} runs already there, skipped", flush=True)
         run_distributed(_sdp4bit_worker, args.nproc, args.model, args.steps, args.seeds, args.eval_every,
