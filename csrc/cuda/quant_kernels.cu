@@ -295,37 +295,39 @@ __device__ __forceinline__ void chunk_rotate(float (&v)[kChunk], int64_t c, int6
   chunks::chunk_run_scale(v, c * kChunk, n, log2h);
 }
 
-template <typename T, bool kAccumulate>
-__global__ void __launch_bounds__(kCtaThreads)
-    dequantize_rows_rotated_kernel(const uint8_t* __restrict__ packed, T* __restrict__ out, int64_t rows,
-                                   int64_t length, int bits, int64_t block, int log2h) {
+// Calls fn(row, chunk, its first element, valid count) for every thread of the padded map, a warp at
+// a time (tail and padding threads get a count of 0 and must still reach the shuffles).
+template <typename Fn>
+__device__ __forceinline__ void for_each_padded_chunk(int64_t rows, int64_t length, int log2h, Fn fn) {
   const int64_t per_row = chunks::padded_row_chunks(length, log2h), total = rows * per_row;
-  const int64_t nb = num_blocks(length, block), rb = row_bytes(length, bits, block);
   const int lane = static_cast<int>(threadIdx.x) & (kWarp - 1);
   for (int64_t t0 = int64_t(blockIdx.x) * blockDim.x + (threadIdx.x - lane); t0 < total;
        t0 += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = t0 + lane;
     const int64_t r = t / per_row, c = t - r * per_row, e = c * kChunk;
-    const int cnt = t < total ? chunks::chunk_count(length - e, 0) : 0;
+    fn(r, c, e, t < total ? chunks::chunk_count(length - e, 0) : 0);
+  }
+}
+
+template <typename T, bool kAccumulate>
+__global__ void __launch_bounds__(kCtaThreads)
+    dequantize_rows_rotated_kernel(const uint8_t* __restrict__ packed, T* __restrict__ out, int64_t rows,
+                                   int64_t length, int bits, int64_t block, int log2h) {
+  const int64_t nb = num_blocks(length, block), rb = row_bytes(length, bits, block);
+  for_each_padded_chunk(rows, length, log2h, [&](int64_t r, int64_t c, int64_t e, int cnt) {
     float v[kChunk] = {};
     if (cnt > 0) decode_chunk(packed + r * rb, nb, e, cnt, bits, block, v);
     chunk_rotate(v, c, length, log2h);
     if (cnt > 0) store_decoded<kAccumulate>(out + r * length + e, cnt, v);
-  }
+  });
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kCtaThreads)
     dequant_reduce_rotated_kernel(const uint8_t* __restrict__ packed_in, T* __restrict__ out, int64_t chunks,
                                   int64_t rows, int64_t length, int bits, int64_t block, float divisor, int log2h) {
-  const int64_t per_row = chunks::padded_row_chunks(length, log2h), total = rows * per_row;
   const int64_t nb = num_blocks(length, block), rb = row_bytes(length, bits, block);
-  const int lane = static_cast<int>(threadIdx.x) & (kWarp - 1);
-  for (int64_t t0 = int64_t(blockIdx.x) * blockDim.x + (threadIdx.x - lane); t0 < total;
-       t0 += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t t = t0 + lane;
-    const int64_t k = t / per_row, c = t - k * per_row, e = c * kChunk;
-    const int cnt = t < total ? chunks::chunk_count(length - e, 0) : 0;
+  for_each_padded_chunk(rows, length, log2h, [&](int64_t k, int64_t c, int64_t e, int cnt) {
     float acc[kChunk] = {};
     if (cnt > 0) chunks::reduce_chunk(packed_in, chunks, rows, rb, nb, k, e, cnt, bits, block, acc);
     chunk_rotate(acc, c, length, log2h);
@@ -334,7 +336,7 @@ __global__ void __launch_bounds__(kCtaThreads)
       for (int i = 0; i < kChunk; ++i) acc[i] = f32_div(acc[i], divisor);
       store_chunk(out + k * length + e, cnt, acc);
     }
-  }
+  });
 }
 
 // The binding composes the shapes the kernels do not rotate in registers; a launcher asked for one
