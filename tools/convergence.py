@@ -108,11 +108,9 @@ def sdp4bit_args(model: str, steps: int, seed: int, eval_every: int, ranks_per_n
 
 
 def _sdp4bit_worker(model: str, steps: int, seeds: int, eval_every: int, ranks_per_node: int, stress: bool,
-                    runs: list[str], results_path: str, done: list[list]) -> None:
+                    runs: list[str], results_path: str, done: list[list], commit: str) -> None:
     """Runs every (run, seed) pair not in ``done``, seed-major (so a partial study has every run at its first
     seeds), and after each one rank 0 adds its record to ``results_path``: a study that is stopped resumes."""
-    import subprocess
-
     import torch.distributed as dist
 
     from megatron_zpp.training.trainer import pretrain
@@ -121,8 +119,6 @@ def _sdp4bit_worker(model: str, steps: int, seeds: int, eval_every: int, ranks_p
     if stress:
         plans += [(name, flags, 4.0) for name, flags in STRESS_RUNS.items()]
     finished = {(name, seed) for name, seed in done}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parents[1]).stdout.strip()
     for k in range(seeds):
         seed = 1234 + k
         for name, flags, lr_scale in plans:
@@ -181,8 +177,13 @@ def sdp4bit_main(args) -> None:
             path.write_text(json.dumps(data, indent=1))
         if done:
             print(f"resuming {path}: {len(done)} runs already there, skipped", flush=True)
+        import subprocess
+
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parents[1]).stdout.strip()
         run_distributed(_sdp4bit_worker, args.nproc, args.model, args.steps, args.seeds, args.eval_every,
-                        args.ranks_per_node, args.stress, runs, str(path), done, ranks_per_node=args.ranks_per_node,
+                        args.ranks_per_node, args.stress, runs, str(path), done, commit,
+                        ranks_per_node=args.ranks_per_node,
                         timeout_s=4 * 3600, wall_limit_s=12 * 3600)
         data = _load_study(path, args.model, args.steps)
     results = {name: sorted(recs, key=lambda r: r["seed"]) for name, recs in data["results"].items()}
