@@ -114,6 +114,22 @@ def test_all_passing_run_is_ok_and_the_budget_cuts_later_steps(tmp_path):
     assert report["ok"] is True and report["summary"]["pass"] == 1
 
 
+def test_the_deadline_counts_setup_and_each_step_leaves_a_report(tmp_path):
+    # the step after setup reads the report on disk: the setup step must already be in it
+    peek = ("r=json.load(open(os.path.join(os.path.dirname(sys.argv[1]),'gpu_report.json')))\n"
+            "n=[s['name'] for s in r['steps']]; assert n==['setup'], n")
+    steps = [py_step("setup", result_code("setup", "pass", extra="import time; time.sleep(2)"), setup=True),
+             py_step("peek", result_code("peek", "pass", extra=peek + "\nimport time; time.sleep(1)")),
+             py_step("late", result_code("late", "pass"))]
+    report = orchestrate(steps, tmp_path, budget_s=0, deadline_s=8, argv=["test"])
+    by = {s["name"]: s for s in report["steps"]}
+    assert by["setup"]["status"] == "pass" and by["peek"]["status"] == "pass", by["peek"]["tail"]
+    assert by["peek"]["limit_s"] < 6.5  # clipped to what the deadline left after the 2 s setup
+    assert by["late"]["status"] == "skipped" and "8 s deadline" in by["late"]["detail"]
+    assert report["mode"]["deadline_s"] == 8 and report["ok"] is True
+    assert json.loads((tmp_path / "gpu_report.json").read_text())["steps"][-1]["name"] == "late"
+
+
 def test_validate_report_names_what_is_wrong(tmp_path):
     report = orchestrate([py_step("ok", result_code("ok", "pass"))], tmp_path, argv=["test"])
     assert validate_report(report) == []
@@ -151,7 +167,7 @@ def test_cli_dry_run_with_a_failing_and_a_hanging_step(tmp_path):
     assert by["env"]["status"] == "pass" and report["environment"]["torch"] == torch.__version__
     for name in GPU_STEPS + ["kit"]:
         assert by[name]["status"] == "skipped" and by[name]["detail"].startswith("dry run: would run"), name
-    assert report["mode"] == {"quick": False, "dry_run": True, "budget_s": 900.0}
+    assert report["mode"] == {"quick": False, "dry_run": True, "budget_s": 900.0, "deadline_s": 0}
     md = (out / "gpu_report.md").read_text()
     assert "| fake_fail | FAIL |" in md and "| fake_hang | TIMEOUT |" in md and "| sanitizer | skipped |" in md
 

@@ -237,8 +237,12 @@ def select(steps: list[Step], names: str | None) -> list[Step]:
 
 
 def orchestrate(steps: list[Step], out: Path, *, quick: bool = False, budget_s: float = 0, kit: Path | None = None,
-                dry_run: bool = False, argv: list[str] | None = None) -> dict:
-    """Run ``steps`` in order, each with its limit (clipped to the budget left), and write the report."""
+                dry_run: bool = False, argv: list[str] | None = None, deadline_s: float = 0) -> dict:
+    """Run ``steps`` in order, each with its limit (clipped to the budget left), and write the report.
+
+    ``deadline_s`` (0: none) bounds the whole run, setup included: a lent GPU machine's call has a hard
+    wall-clock limit and a slow build must shorten the checks, not lose the report to an outer kill.
+    The report is rewritten after every step, so whatever kills the run still leaves the steps done."""
     out.mkdir(parents=True, exist_ok=True)
     kit = (kit or REPO / ".gpukit").resolve()
     site = out.resolve() / "site"
@@ -247,42 +251,48 @@ def orchestrate(steps: list[Step], out: Path, *, quick: bool = False, budget_s: 
     t0 = time.perf_counter()
     budget_used = 0.0
     records = []
+
+    def write(records: list[dict]) -> dict:
+        report = {
+            "schema": SCHEMA,
+            "started": started.isoformat(timespec="seconds"),
+            "finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "wall_s": round(time.perf_counter() - t0, 1),
+            "setup_s": round(sum(r["wall_s"] for r, s in zip(records, steps) if s.setup), 1),
+            "checks_s": round(budget_used, 1),
+            "mode": {"quick": quick, "dry_run": dry_run, "budget_s": budget_s, "deadline_s": deadline_s},
+            "command": argv if argv is not None else sys.argv,
+            "kit": str(kit),
+            "environment": next((r["figures"] for r in records if r["name"] == "env"), {}),
+            "steps": records,
+            "summary": {s: sum(r["status"] == s for r in records) for s in STATUSES},
+        }
+        report["ok"] = not any(r["status"] in FAILED for r in records)
+        problems = validate_report(report)
+        if problems:  # a bug here, not in a step: say so loudly, still write what there is
+            report["schema_problems"] = problems
+        (out / "gpu_report.json").write_text(json.dumps(report, indent=1, default=str))
+        (out / "gpu_report.md").write_text(render_md(report))
+        return report
+
     for step in steps:
         limit = step.quick_limit_s if quick else step.limit_s
+        left, why = float("inf"), ""
         if not step.setup and budget_s > 0:
-            left = budget_s - budget_used
-            if left < 5:
-                records.append({"name": step.name, "what": step.what, "status": "skipped", "wall_s": 0.0,
-                                "limit_s": 0.0, "exit_code": None, "timed_out": False, "figures": {}, "rows": [],
-                                "tail": "", "cmd": step.argv(out / "steps", quick),
-                                "detail": f"not run: the {budget_s:.0f} s budget of the run is spent"})
-                continue
-            limit = min(limit, left)
-        record = run_step(step, out, quick, limit, env)
-        if not step.setup:
-            budget_used += record["wall_s"]
-        records.append(record)
-    report = {
-        "schema": SCHEMA,
-        "started": started.isoformat(timespec="seconds"),
-        "finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "wall_s": round(time.perf_counter() - t0, 1),
-        "setup_s": round(sum(r["wall_s"] for r, s in zip(records, steps) if s.setup), 1),
-        "checks_s": round(budget_used, 1),
-        "mode": {"quick": quick, "dry_run": dry_run, "budget_s": budget_s},
-        "command": argv if argv is not None else sys.argv,
-        "kit": str(kit),
-        "environment": next((r["figures"] for r in records if r["name"] == "env"), {}),
-        "steps": records,
-        "summary": {s: sum(r["status"] == s for r in records) for s in STATUSES},
-    }
-    report["ok"] = not any(r["status"] in FAILED for r in records)
-    problems = validate_report(report)
-    if problems:  # a bug here, not in a step: say so loudly, still write what there is
-        report["schema_problems"] = problems
-    (out / "gpu_report.json").write_text(json.dumps(report, indent=1, default=str))
-    (out / "gpu_report.md").write_text(render_md(report))
-    return report
+            left, why = budget_s - budget_used, f"the {budget_s:.0f} s budget of the run is spent"
+        if deadline_s > 0 and deadline_s - (time.perf_counter() - t0) < left:
+            left, why = deadline_s - (time.perf_counter() - t0), f"the run's {deadline_s:.0f} s deadline is near"
+        if left < 5:
+            records.append({"name": step.name, "what": step.what, "status": "skipped", "wall_s": 0.0,
+                            "limit_s": 0.0, "exit_code": None, "timed_out": False, "figures": {}, "rows": [],
+                            "tail": "", "cmd": step.argv(out / "steps", quick), "detail": f"not run: {why}"})
+        else:
+            record = run_step(step, out, quick, min(limit, left), env)
+            if not step.setup:
+                budget_used += record["wall_s"]
+            records.append(record)
+        write(records)
+    return write(records)
 
 
 # ------------------------------------------------------------- report ---
@@ -384,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", default=None, help="run only these steps, comma-separated (default: all)")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds for the steps after setup (default 900, 300 with --quick; 0: no budget)")
+    ap.add_argument("--deadline", type=float, default=0,
+                    help="seconds for the whole run, setup included (0: none): later steps are cut to fit it")
     ap.add_argument("--list", action="store_true", help="print the step table and exit")
     ap.add_argument("--save-doc", action="store_true",
                     help="also copy the report to docs/gpu/<date>-<gpu>.md (the issue's record of a GPU run)")
@@ -404,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or REPO / "out" / "gpu-check" / dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     budget = args.budget if args.budget is not None else (300.0 if args.quick else 900.0)
     report = orchestrate(steps, out, quick=args.quick, budget_s=budget, kit=args.kit, dry_run=args.dry_run,
+                         deadline_s=args.deadline,
                          argv=sys.argv if argv is None else ["tools/gpu_check.py", *argv])
     print(f"\nreport: {out / 'gpu_report.md'} ({out / 'gpu_report.json'})")
     if args.save_doc:
