@@ -80,6 +80,28 @@ def test_comm_cuda_verdicts():
     assert step.summarize(refused, "cuda")[0] == "unsupported"
 
 
+def test_comm_cuda_names_where_each_host_sync_came_from(monkeypatch):
+    """The sync counter records the Python frames that led to each synchronizing operation (torch raises
+    its sync-debug warning there), so a failing count says which call to fix."""
+    import torch
+    import warnings as w
+
+    step = _load("comm_cuda")
+
+    def syncing_call():
+        w.warn("called a synchronizing CUDA operation")
+
+    def quiet_call():
+        w.warn("an unrelated warning")
+
+    monkeypatch.setattr(step, "_steady_calls", lambda topo, device, n: {"syncs": syncing_call, "quiet": quiet_call})
+    counts, sites = step._count_syncs(None, torch.device("cpu"), repeats=2)
+    assert counts == {"syncs": 0.5, "quiet": 0.0}  # a steady call is two collectives (sync, async)
+    assert list(sites) == ["syncs"]
+    (where, n), = sites["syncs"].items()
+    assert n == 2 and where.startswith("test_gpu_steps.py:") and "in syncing_call" in where, where
+
+
 def test_comm_cuda_compares_bit_patterns():
     import torch
 
@@ -122,6 +144,17 @@ def test_run_summary_peak_memory_is_none_off_the_gpu():
     from megatron_zpp.training.log import gpu_peak_memory_bytes
 
     assert gpu_peak_memory_bytes(torch.device("cpu")) is None
+
+
+def test_megatron_lm_names_the_ranks_own_error():
+    step = _load("megatron_lm")
+    log = ("  persist_layer_norm .......... True\n[rank0]: Traceback (most recent call last):\n"
+           "[rank0]:   File \"x.py\", line 1, in f\n"
+           "[rank0]: AssertionError: persist_layer_norm not supported by torch LayerNorm\n"
+           "Traceback (most recent call last):\n"
+           "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n====\nFailures:\n")
+    assert step.root_error(log) == "AssertionError: persist_layer_norm not supported by torch LayerNorm"
+    assert step.root_error("all fine\n") == ""
 
 
 def test_megatron_lm_verdicts():

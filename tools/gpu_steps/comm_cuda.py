@@ -43,6 +43,7 @@ import contextlib
 import os
 import sys
 import time
+import traceback
 import warnings
 import zlib
 from pathlib import Path
@@ -271,22 +272,36 @@ def _sync_debug(device, mode: str):
         torch.cuda.set_sync_debug_mode("default")
 
 
-def _count_syncs(topo, device, repeats: int) -> dict[str, float]:
-    """Host syncs per call on the calling thread, in "warn" mode (counted from Python's warnings)."""
+def _count_syncs(topo, device, repeats: int) -> tuple[dict[str, float], dict[str, dict[str, int]]]:
+    """Host syncs per call on the calling thread, in "warn" mode (counted from Python's warnings), and where
+    each came from: ``{case: {"file:line in function <- caller <- ...": count}}``, the Python frames that
+    called into the synchronizing operation (torch turns its C++ warning into a Python one there)."""
     calls = _steady_calls(topo, device, 4099)
     for run in calls.values():  # warm-up: settings handshake, codec and stream creation
         run()
     _device_sync(device)
-    counts = {}
+    counts, sites = {}, {}
     for name, run in calls.items():
-        with warnings.catch_warnings(record=True) as caught:
+        seen: dict[str, int] = {}
+
+        def record(message, category, filename, lineno, file=None, line=None, seen=seen):
+            if SYNC_MESSAGE in str(message):
+                frames = [f for f in traceback.extract_stack()[:-1]
+                          if not f.filename.endswith(("warnings.py", "contextlib.py"))][-4:]
+                key = " <- ".join(f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in reversed(frames))
+                seen[key] = seen.get(key, 0) + 1
+
+        with warnings.catch_warnings():
             warnings.simplefilter("always")
+            warnings.showwarning = record
             with _sync_debug(device, "warn"):
                 for _ in range(repeats):
                     run()
-        counts[name] = sum(SYNC_MESSAGE in str(w.message) for w in caught) / (2 * repeats)
+        counts[name] = sum(seen.values()) / (2 * repeats)
+        if seen:
+            sites[name] = seen
     _device_sync(device)
-    return counts
+    return counts, sites
 
 
 def _strict_size1(device) -> dict[str, str]:
@@ -355,10 +370,11 @@ def rank_main(device_name: str, quick: bool) -> dict:
     result["rows"] += rows
     result["figures"].update(figures)
     # On CPU the same calls run (no sync debug mode there): the self-check covers their code.
-    syncs = _count_syncs(topo, device, repeats=3 if quick else 10)
+    syncs, sites = _count_syncs(topo, device, repeats=3 if quick else 10)
     strict = _strict_size1(device)
     if device.type == "cuda":
         result["figures"]["host_syncs_per_call"], result["figures"]["strict_size1"] = syncs, strict
+        result["figures"]["host_sync_sites"] = sites
     else:
         result["figures"]["steady_calls_run"] = sorted(syncs)
     return result
@@ -389,6 +405,8 @@ def summarize(results: list[dict], device: str) -> tuple[str, dict, list, str]:
     if syncs:
         figures["host_syncs_per_call"] = {k: max(s[k] for s in syncs) for k in syncs[0]}
         figures["strict_size1"] = per_rank[0]["strict_size1"]
+        figures["host_sync_sites"] = {f"rank{i}": f["host_sync_sites"] for i, f in enumerate(per_rank)
+                                      if f.get("host_sync_sites")}
     problems = []
     if mismatched:
         problems.append(f"{len(mismatched)} (case, length) pairs differ from the CPU path: {mismatched[:6]}")
@@ -396,7 +414,8 @@ def summarize(results: list[dict], device: str) -> tuple[str, dict, list, str]:
         problems.append(f"{len(disordered)} results of calls issued behind a busy caller stream differ from the "
                         f"CPU path (stream ordering): {[(r['mode'], r['call']) for r in disordered][:6]}")
     if syncs and any(v for v in figures["host_syncs_per_call"].values()):
-        problems.append(f"host syncs on the hot path: {figures['host_syncs_per_call']}")
+        problems.append(f"host syncs on the hot path: {figures['host_syncs_per_call']}, from "
+                        f"{figures['host_sync_sites']}")
     if syncs and any(v != "no host sync" for v in figures["strict_size1"].values()):
         problems.append(f"host syncs on one-member topologies: {figures['strict_size1']}")
     if problems:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import os
 import subprocess
 import sys
@@ -48,8 +49,7 @@ GPU_ARGS = ["--num-layers", "12", "--hidden-size", "768", "--num-attention-heads
             "--bf16", "--vocab-size", "32768"]
 CPU_ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
             "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
-            "--lr", "1e-3", "--lr-warmup-iters", "1", "--vocab-size", "1000", "--distributed-backend", "gloo",
-            "--transformer-impl", "local"]
+            "--lr", "1e-3", "--lr-warmup-iters", "1", "--vocab-size", "1000", "--distributed-backend", "gloo"]
 COMMON = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
           "--tokenizer-type", "NullTokenizer", "--mock-data", "--no-gradient-accumulation-fusion",
           "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-iters", "0", "--eval-interval", "1000000",
@@ -213,10 +213,36 @@ def worker(run: str, megatron_argv: list[str], result_path: Path, cpu: bool) -> 
 
 # ----------------------------------------------------------------------------- driver
 def _transformer_impl_args() -> list[str]:
-    """Megatron-LM's default layers are Transformer Engine's; without TE installed, its local ones."""
+    """Megatron-LM's default layers are Transformer Engine's; without TE installed, its local ones.
+
+    The local layers then need apex for two of Megatron-LM's defaults: the persistent layer norm (the
+    torch LayerNorm fallback asserts it is off) and the masked-softmax fusion (bf16 calls apex's
+    ``scaled_masked_softmax_cuda``, an ImportError without it). Without apex both are turned off, as a
+    user of a plain torch image has to."""
     import importlib.util
 
-    return [] if importlib.util.find_spec("transformer_engine") is not None else ["--transformer-impl", "local"]
+    def has(name: str) -> bool:
+        return importlib.util.find_spec(name) is not None
+
+    if has("transformer_engine"):
+        return []
+    args = ["--transformer-impl", "local"]
+    if not has("apex"):
+        args += ["--no-persist-layer-norm"]
+    if not (has("scaled_masked_softmax_cuda") and has("scaled_upper_triang_masked_softmax_cuda")):
+        args += ["--no-masked-softmax-fusion"]
+    return args
+
+
+def root_error(log: str) -> str:
+    """The exception line a failed rank printed last (``[rank0]: AssertionError: ...``), not the launcher's
+    ChildFailedError banner; "" when there is none."""
+    found = ""
+    for line in log.splitlines():
+        text = re.sub(r"^\[rank\d+\]:\s*", "", line.strip())
+        if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b.*", text) and "ChildFailedError" not in text:
+            found = text
+    return found[:500]
 
 
 def run_once(run: str, argv: list[str], out: Path, timeout_s: float, cpu: bool) -> dict:
@@ -240,8 +266,10 @@ def run_once(run: str, argv: list[str], out: Path, timeout_s: float, cpu: bool) 
         row["returncode"], row["error"] = None, f"timed out after {timeout_s:.0f} s"
     row["seconds"] = time.monotonic() - start
     if row["returncode"] != 0 or not result_path.exists():
-        row.setdefault("error", f"exit code {row['returncode']}")
-        row["log_tail"] = log_path.read_text(errors="replace")[-3000:] if log_path.exists() else ""
+        text = log_path.read_text(errors="replace") if log_path.exists() else ""
+        cause = root_error(text)
+        row.setdefault("error", f"exit code {row['returncode']}" + (f" ({cause})" if cause else ""))
+        row["log_tail"] = text[-3000:]
         return row
     row.update(json.loads(result_path.read_text()))
     return row
@@ -315,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             return write_result(a.out, "skipped", {}, [], "no CUDA device (torch.cuda.is_available() is False)")
     a.out.mkdir(parents=True, exist_ok=True)
     iters = ITERS["cpu" if cpu else "quick" if a.quick else "full"]
-    base = (CPU_ARGS if cpu else GPU_ARGS + _transformer_impl_args()) + COMMON + [
+    base = (CPU_ARGS if cpu else GPU_ARGS) + _transformer_impl_args() + COMMON + [
         "--train-iters", str(iters), "--log-interval", str(max(1, iters // 6))]
     timeout = a.timeout or (180.0 if cpu else 55.0 if a.quick else 140.0)
     rows = [run_once(run, base + (PLUGIN_ARGS if run == "plugin" else []), a.out, timeout, cpu) for run in RUNS]
