@@ -322,5 +322,6 @@ def test_kit_requirement_parsing():
 
 def test_doc_path_names_the_date_and_the_gpu():
     report = {"started": "2026-11-25T19:00:00+00:00", "environment": {"device": "NVIDIA H100 80GB HBM3"}}
-    assert gpu_check.doc_path(report) == ROOT / "docs" / "gpu" / "2026-11-25-nvidia-h100-80gb-hbm3.md"
-    assert gpu_check.doc_path({"started": "2026-11-25T19", "environment": {}}).name == "2026-11-25-no-gpu.md"
+    assert gpu_check.doc_path(report) == ROOT / "docs" / "gpu" / "2026-11-25-1900-nvidia-h100-80gb-hbm3.md"
+    later = {"started": "2026-11-25T19:07:00+00:00", "environment": {}}
+    assert gpu_check.doc_path(later).name == "2026-11-25-1907-no-gpu.md"

@@ -380,10 +380,12 @@ def render_md(report: dict) -> str:
 
 
 def doc_path(report: dict) -> Path:
-    """docs/gpu/<date>-<gpu>.md, e.g. docs/gpu/2026-11-25-nvidia-h100-80gb-hbm3.md."""
+    """docs/gpu/<date>-<HHMM UTC>-<gpu>.md, e.g. docs/gpu/2026-11-25-1900-nvidia-h100-80gb-hbm3.md: one per
+    run, since a lent machine's short calls make several runs a day."""
     gpu = str(report["environment"].get("device") or "no-gpu").lower()
     slug = "-".join("".join(c if c.isalnum() else " " for c in gpu).split())
-    return REPO / "docs" / "gpu" / f"{report['started'][:10]}-{slug}.md"
+    started = report["started"]
+    return REPO / "docs" / "gpu" / f"{started[:10]}-{started[11:13]}{started[14:16]}-{slug}.md"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -399,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds for the whole run, setup included (0: none): later steps are cut to fit it")
     ap.add_argument("--list", action="store_true", help="print the step table and exit")
     ap.add_argument("--save-doc", action="store_true",
-                    help="also copy the report to docs/gpu/<date>-<gpu>.md (the issue's record of a GPU run)")
+                    help="also copy the report to docs/gpu/<date>-<HHMM>-<gpu>.md (the issue's record of a GPU run)")
     args = ap.parse_args(argv)
     steps = list(STEPS)
     fakes = os.environ.get("ZPP_GPU_CHECK_FAKE_STEPS")
