@@ -188,6 +188,37 @@ def test_model_check_error_statistics(tmp_path, capsys):
     assert "all rows     4 rows: step time |error| median   7.0%, max  30.0%" in out and "NOT met" in out
 
 
+def test_model_check_ranks_policies_and_reports_the_picks_regret(tmp_path, capsys):
+    """At each (path, rate) the pick is the policy the model predicts fastest; its regret is its measured time over
+    the measured best's. Measured times are set so the model's pick loses at 100 Mbit/s and wins unshaped."""
+    cluster = _cluster()
+    workloads = model_check.load_workloads()
+    rows = []
+    for rate, bits in (("100mbit", 100e6), ("unshaped", None)):
+        pred = {pol: predict(advise.at_link_rate(cluster, bits), workloads["distopt"], pol).step_time_s
+                for pol in ("megatron", "zeropp")}
+        fast = min(pred, key=pred.get)
+        slow = max(pred, key=pred.get)
+        measured = {fast: 1.25, slow: 1.0} if rate == "100mbit" else {fast: 1.0, slow: 2.0}
+        for pol, seconds in measured.items():
+            for repeat in (0.9, 1.0, 1.5):  # repeats count by their median
+                rows.append(dict(path="distopt", rate=rate, rate_bits_per_s=bits or "", policy=pol, iterations=5,
+                                 seconds_per_iteration=seconds * repeat, inter_bytes_per_iteration=1.0))
+    rows.append(dict(path="fsdp", rate="1gbit", rate_bits_per_s=1e9, policy="zeropp", iterations=5,
+                     seconds_per_iteration=1.0, inter_bytes_per_iteration=1.0))  # alone at its rate: no ranking
+    checks = model_check.check_rows([{k: str(v) for k, v in r.items()} for r in rows], cluster, workloads)
+    picks = model_check.ranking(checks)
+    assert [(p.path, p.rate, p.policies) for p in picks] == [("distopt", "100mbit", 2), ("distopt", "unshaped", 2)]
+    lost, won = picks
+    assert lost.pick != lost.best and lost.regret == pytest.approx(1.25)
+    assert won.pick == won.best and won.regret == 1.0
+    stats = model_check.ranking_stats(picks)
+    assert stats["picked_best"] == 1 and stats["regret_median"] == pytest.approx(0.125)
+    assert stats["regret_max"] == pytest.approx(0.25)
+    text = model_check.ranking_report(picks)
+    assert "picked the measured best in 1 of 2" in text and "median 12.5%" in text and "NOT met" in text
+
+
 def test_model_check_names_bad_rows():
     cluster, workloads = _cluster(), model_check.load_workloads()
     row = {"path": "zero3", "rate": "1gbit", "rate_bits_per_s": "1e9", "policy": "fair", "iterations": "5",

@@ -10,6 +10,12 @@ calibrated unshaped link; ``advise.at_link_rate``). Prints measured vs predicted
 per row, then the median and maximum |relative error| overall and per path (the calibration's goal: median <= 5%,
 max <= 15%), and predicted vs counted cross-node bytes per iteration.
 
+Ranking: what a user (or ``--zpp-policy auto``) does with the model is pick the policy it predicts fastest. For each
+(path, rate) with several policies measured, the model's pick is the one with the smallest predicted step time and
+its **regret** is the pick's measured step time over the measured best's (1.0: it picked the best). Reported per
+(path, rate), then how often the pick was the measured best and the median and maximum regret (goal of issue 24:
+median regret <= 5%). Repeats of one (path, rate, policy) count by their median.
+
 The calibration comes from microbenchmarks (``tools/calibrate.py``), never from these rows: nothing here is fitted.
 """
 
@@ -30,6 +36,7 @@ sys.path.insert(0, str(REPO))
 WORKLOADS = {"distopt": REPO / "configs/workloads/tiny-gpt-2x2.yaml",
              "fsdp": REPO / "configs/workloads/tiny-gpt-2x2-fsdp.yaml"}
 GOAL_MEDIAN, GOAL_MAX = 0.05, 0.15
+GOAL_REGRET_MEDIAN = 0.05
 REQUIRED = ("path", "rate", "rate_bits_per_s", "policy", "iterations", "seconds_per_iteration",
             "inter_bytes_per_iteration")
 
@@ -136,6 +143,66 @@ def error_stats(checks: list[RowCheck], key=None) -> dict[str, dict[str, float]]
     return out
 
 
+@dataclass
+class Pick:
+    """The model's choice among the policies measured at one (path, rate)."""
+
+    path: str
+    rate: str
+    policies: int
+    """Policies measured there."""
+    best: str
+    """The measured-fastest policy."""
+    best_s: float
+    pick: str
+    """The policy with the smallest predicted step time."""
+    pick_s: float
+    """The pick's measured seconds per iteration."""
+
+    @property
+    def regret(self) -> float:
+        """The pick's measured step time over the best's (1.0: the pick was the best)."""
+        return self.pick_s / self.best_s
+
+
+def ranking(checks: list[RowCheck]) -> list[Pick]:
+    """One :class:`Pick` per (path, rate) where at least two policies were measured, in first-seen order."""
+    groups: dict[tuple[str, str], dict[str, list[RowCheck]]] = {}
+    for c in checks:
+        groups.setdefault((c.path, c.rate), {}).setdefault(c.policy, []).append(c)
+    picks = []
+    for (path, rate), by_policy in groups.items():
+        if len(by_policy) < 2:
+            continue
+        measured = {pol: statistics.median(c.measured_s for c in cs) for pol, cs in by_policy.items()}
+        predicted = {pol: cs[0].predicted_s for pol, cs in by_policy.items()}
+        best = min(measured, key=measured.get)
+        pick = min(predicted, key=predicted.get)
+        picks.append(Pick(path, rate, len(by_policy), best, measured[best], pick, measured[pick]))
+    return picks
+
+
+def ranking_stats(picks: list[Pick]) -> dict[str, float]:
+    regrets = [p.regret for p in picks]
+    return {"groups": len(picks), "picked_best": sum(p.pick == p.best for p in picks),
+            "regret_median": statistics.median(regrets) - 1 if regrets else 0.0,
+            "regret_max": max(regrets) - 1 if regrets else 0.0}
+
+
+def ranking_report(picks: list[Pick]) -> str:
+    if not picks:
+        return "ranking: no (path, rate) with two or more policies measured"
+    lines = [f"{'path':<8} {'rate':<9} {'policies':>8}  {'measured best':<22} {'model picks':<22} {'regret':>7}"]
+    for p in picks:
+        lines.append(f"{p.path:<8} {p.rate:<9} {p.policies:8d}  {p.best:<10} {p.best_s * 1e3:9.0f}ms  "
+                     f"{p.pick:<10} {p.pick_s * 1e3:9.0f}ms  {100 * (p.regret - 1):+6.1f}%")
+    s = ranking_stats(picks)
+    lines.append(f"ranking: the model picked the measured best in {s['picked_best']} of {s['groups']} (path, rate); "
+                 f"regret median {100 * s['regret_median']:.1f}%, max {100 * s['regret_max']:.1f}% (goal: median <= "
+                 f"{100 * GOAL_REGRET_MEDIAN:g}%: {'met' if s['regret_median'] <= GOAL_REGRET_MEDIAN else 'NOT met'})")
+    return "\n".join(lines)
+
+
 def report(checks: list[RowCheck]) -> str:
     MB = 1e6
     lines = [f"{'path':<8} {'rate':<9} {'policy':<9} {'measured':>9} {'model':>9} {'error':>7}   "
@@ -229,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"model ({a.cluster}) vs measured ({a.csv}, {rows[0].get('date', '?')}, {rows[0].get('machine', '?')}):")
     print(report(checks))
+    print()
+    picks = ranking(checks)
+    print(ranking_report(picks))
     if a.plot:
         plot(checks, a.plot, f"model vs measured: {cluster.name}")
         print(f"wrote {a.plot}")
@@ -236,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         a.json.write_text(json.dumps({"rows": [asdict(c) | {"rel_error": c.rel_error, "bytes_rel_error":
                                                             c.bytes_rel_error} for c in checks],
                                       "stats": {"overall": error_stats(checks),
-                                                "per_path": error_stats(checks, lambda c: c.path)}}, indent=1))
+                                                "per_path": error_stats(checks, lambda c: c.path)},
+                                      "ranking": [asdict(p) | {"regret": p.regret} for p in picks],
+                                      "ranking_stats": ranking_stats(picks)}, indent=1))
     return 0
 
 
