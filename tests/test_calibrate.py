@@ -201,7 +201,8 @@ def test_model_check_ranks_policies_and_reports_the_picks_regret(tmp_path, capsy
         slow = max(pred, key=pred.get)
         measured = {fast: 1.25, slow: 1.0} if rate == "100mbit" else {fast: 1.0, slow: 2.0}
         for pol, seconds in measured.items():
-            for repeat in (0.9, 1.0, 1.5):  # repeats count by their median
+            # repeats count by their median: the means and extremes of these patterns would rank otherwise
+            for repeat in ((0.5, 1.0, 1.1) if pol == fast else (0.4, 1.0, 3.0)):
                 rows.append(dict(path="distopt", rate=rate, rate_bits_per_s=bits or "", policy=pol, iterations=5,
                                  seconds_per_iteration=seconds * repeat, inter_bytes_per_iteration=1.0))
     rows.append(dict(path="fsdp", rate="1gbit", rate_bits_per_s=1e9, policy="zeropp", iterations=5,
@@ -211,7 +212,10 @@ def test_model_check_ranks_policies_and_reports_the_picks_regret(tmp_path, capsy
     assert [(p.path, p.rate, p.policies) for p in picks] == [("distopt", "100mbit", 2), ("distopt", "unshaped", 2)]
     lost, won = picks
     assert lost.pick != lost.best and lost.regret == pytest.approx(1.25)
-    assert won.pick == won.best and won.regret == 1.0
+    assert lost.pick_s == pytest.approx(1.25) and lost.best_s == pytest.approx(1.0)
+    assert won.pick == won.best and won.regret == 1.0 and won.best_s == pytest.approx(1.0)
+    at100 = {c.policy: c.predicted_s for c in checks if c.rate == "100mbit"}
+    assert lost.margin == pytest.approx(max(at100.values()) / min(at100.values()) - 1)  # the pick's predicted lead
     stats = model_check.ranking_stats(picks)
     assert stats["picked_best"] == 1 and stats["regret_median"] == pytest.approx(0.125)
     assert stats["regret_max"] == pytest.approx(0.25)

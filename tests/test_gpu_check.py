@@ -114,19 +114,25 @@ def test_all_passing_run_is_ok_and_the_budget_cuts_later_steps(tmp_path):
     assert report["ok"] is True and report["summary"]["pass"] == 1
 
 
-def test_the_deadline_counts_setup_and_each_step_leaves_a_report(tmp_path):
-    # the step after setup reads the report on disk: the setup step must already be in it
+def test_the_deadline_counts_setup_and_each_step_leaves_a_report(tmp_path, monkeypatch):
+    # the step after setup reads the report on disk: the setup step must already be in it, marked unfinished
     peek = ("r=json.load(open(os.path.join(os.path.dirname(sys.argv[1]),'gpu_report.json')))\n"
-            "n=[s['name'] for s in r['steps']]; assert n==['setup'], n")
+            "n=[s['name'] for s in r['steps']]; assert n==['setup'], n\n"
+            "assert r['complete'] is False and r['not_reached']==['peek','late'], r['not_reached']\n"
+            "assert 'RUN NOT FINISHED' in open(os.path.join(os.path.dirname(sys.argv[1]),'gpu_report.md')).read()")
     steps = [py_step("setup", result_code("setup", "pass", extra="import time; time.sleep(2)"), setup=True),
-             py_step("peek", result_code("peek", "pass", extra=peek + "\nimport time; time.sleep(1)")),
+             # then sleeps until 18 s after the run started (wall clock: timing-proof on a loaded machine)
+             py_step("peek", result_code("peek", "pass", extra=peek + "\nimport time, datetime\n"
+                     "time.sleep(max(0, datetime.datetime.fromisoformat(r['started']).timestamp() + 18 - time.time()))")),
              py_step("late", result_code("late", "pass"))]
-    report = orchestrate(steps, tmp_path, budget_s=0, deadline_s=8, argv=["test"])
+    monkeypatch.setattr(gpu_check, "KILL_MARGIN_S", 4.0)  # steps must end by 21 s: "late" gets < 5 s, skipped
+    report = orchestrate(steps, tmp_path, budget_s=0, deadline_s=25, argv=["test"])
     by = {s["name"]: s for s in report["steps"]}
     assert by["setup"]["status"] == "pass" and by["peek"]["status"] == "pass", by["peek"]["tail"]
-    assert by["peek"]["limit_s"] < 6.5  # clipped to what the deadline left after the 2 s setup
-    assert by["late"]["status"] == "skipped" and "8 s deadline" in by["late"]["detail"]
-    assert report["mode"]["deadline_s"] == 8 and report["ok"] is True
+    assert by["peek"]["limit_s"] <= 21 - by["setup"]["wall_s"] + 0.1  # clipped to what the deadline left
+    assert report["complete"] is True and report["not_reached"] == []
+    assert by["late"]["status"] == "skipped" and "25 s deadline" in by["late"]["detail"]
+    assert report["mode"]["deadline_s"] == 25 and report["ok"] is True
     assert json.loads((tmp_path / "gpu_report.json").read_text())["steps"][-1]["name"] == "late"
 
 

@@ -160,6 +160,12 @@ def test_megatron_lm_names_the_ranks_own_error():
            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n====\nFailures:\n")
     assert step.root_error(log) == "AssertionError: persist_layer_norm not supported by torch LayerNorm"
     assert step.root_error("all fine\n") == ""
+    noisy = ("[rank0]: Traceback (most recent call last):\n[rank0]: ValueError: the real cause\n"
+             "Exception ignored in: <function X.__del__>\nTraceback (most recent call last):\n"
+             "AttributeError: 'NoneType' object has no attribute 'x'\n")
+    assert step.root_error(noisy) == "ValueError: the real cause"  # a rank's own error wins over shutdown noise
+    caught = "ModuleNotFoundError: No module named 'transformer_engine'\nSegmentation fault\n"
+    assert step.root_error(caught) == ""  # not in a traceback: a caught import error is no cause
 
 
 def test_megatron_lm_verdicts():

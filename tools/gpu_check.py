@@ -123,6 +123,9 @@ def tail(path: Path) -> str:
     return "\n".join(text.splitlines()[-TAIL_LINES:])[-TAIL_CHARS:]
 
 
+KILL_MARGIN_S = 12.0  # kill_group's worst case (5 s + 5 s) and the report's write
+
+
 def kill_group(proc: subprocess.Popen) -> None:
     """SIGTERM the step's process group, SIGKILL it 5 s later if anything is left."""
     for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
@@ -253,7 +256,7 @@ def orchestrate(steps: list[Step], out: Path, *, quick: bool = False, budget_s: 
     budget_used = 0.0
     records = []
 
-    def write(records: list[dict]) -> dict:
+    def write(records: list[dict], complete: bool) -> dict:
         report = {
             "schema": SCHEMA,
             "started": started.isoformat(timespec="seconds"),
@@ -267,13 +270,20 @@ def orchestrate(steps: list[Step], out: Path, *, quick: bool = False, budget_s: 
             "environment": next((r["figures"] for r in records if r["name"] == "env"), {}),
             "steps": records,
             "summary": {s: sum(r["status"] == s for r in records) for s in STATUSES},
+            # a report written between steps, before the run ended: the steps not reached are listed
+            "complete": complete,
+            "not_reached": [s.name for s in steps[len(records):]],
         }
         report["ok"] = not any(r["status"] in FAILED for r in records)
         problems = validate_report(report)
         if problems:  # a bug here, not in a step: say so loudly, still write what there is
             report["schema_problems"] = problems
-        (out / "gpu_report.json").write_text(json.dumps(report, indent=1, default=str))
-        (out / "gpu_report.md").write_text(render_md(report))
+        # atomically: an outer kill most likely lands while the report is being rewritten
+        for name, text in (("gpu_report.json", json.dumps(report, indent=1, default=str)),
+                           ("gpu_report.md", render_md(report))):
+            tmp = out / f".{name}.tmp"
+            tmp.write_text(text)
+            os.replace(tmp, out / name)
         return report
 
     for step in steps:
@@ -281,8 +291,10 @@ def orchestrate(steps: list[Step], out: Path, *, quick: bool = False, budget_s: 
         left, why = float("inf"), ""
         if not step.setup and budget_s > 0:
             left, why = budget_s - budget_used, f"the {budget_s:.0f} s budget of the run is spent"
-        if deadline_s > 0 and deadline_s - (time.perf_counter() - t0) < left:
-            left, why = deadline_s - (time.perf_counter() - t0), f"the run's {deadline_s:.0f} s deadline is near"
+        # a step cut at its limit takes up to KILL_MARGIN_S more to be killed (kill_group) and reported
+        if deadline_s > 0 and deadline_s - KILL_MARGIN_S - (time.perf_counter() - t0) < left:
+            left, why = (deadline_s - KILL_MARGIN_S - (time.perf_counter() - t0),
+                         f"the run's {deadline_s:.0f} s deadline is near")
         if left < 5:
             records.append({"name": step.name, "what": step.what, "status": "skipped", "wall_s": 0.0,
                             "limit_s": 0.0, "exit_code": None, "timed_out": False, "figures": {}, "rows": [],
@@ -292,8 +304,8 @@ def orchestrate(steps: list[Step], out: Path, *, quick: bool = False, budget_s: 
             if not step.setup:
                 budget_used += record["wall_s"]
             records.append(record)
-        write(records)
-    return write(records)
+        write(records, complete=False)
+    return write(records, complete=True)
 
 
 # ------------------------------------------------------------- report ---
@@ -348,6 +360,8 @@ def key_figures(step: dict, limit: int = 6) -> str:
 def render_md(report: dict) -> str:
     env = report["environment"]
     verdict = "all steps passed or were not applicable" if report["ok"] else "FAILURES"
+    if not report.get("complete", True):
+        verdict += f" so far; RUN NOT FINISHED, not reached: {', '.join(report['not_reached']) or 'none'}"
     mode = ("dry run" if report["mode"]["dry_run"] else "quick" if report["mode"]["quick"] else "full")
     lines = [f"# GPU check ({mode}), {report['started']}", "",
              f"Device: {env.get('device', 'no CUDA device')}; torch {env.get('torch')} (CUDA {env.get('torch_cuda')});"

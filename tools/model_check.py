@@ -37,6 +37,7 @@ WORKLOADS = {"distopt": REPO / "configs/workloads/tiny-gpt-2x2.yaml",
              "fsdp": REPO / "configs/workloads/tiny-gpt-2x2-fsdp.yaml"}
 GOAL_MEDIAN, GOAL_MAX = 0.05, 0.15
 GOAL_REGRET_MEDIAN = 0.05
+NEAR_TIE = 0.01  # a predicted lead below this is no preference
 REQUIRED = ("path", "rate", "rate_bits_per_s", "policy", "iterations", "seconds_per_iteration",
             "inter_bytes_per_iteration")
 
@@ -158,6 +159,9 @@ class Pick:
     """The policy with the smallest predicted step time."""
     pick_s: float
     """The pick's measured seconds per iteration."""
+    margin: float = 0.0
+    """The pick's predicted lead over the model's runner-up (runner-up / pick - 1): under ~1% the model has no
+    real preference, and the pick among near-ties is arbitrary."""
 
     @property
     def regret(self) -> float:
@@ -177,14 +181,17 @@ def ranking(checks: list[RowCheck]) -> list[Pick]:
         measured = {pol: statistics.median(c.measured_s for c in cs) for pol, cs in by_policy.items()}
         predicted = {pol: cs[0].predicted_s for pol, cs in by_policy.items()}
         best = min(measured, key=measured.get)
-        pick = min(predicted, key=predicted.get)
-        picks.append(Pick(path, rate, len(by_policy), best, measured[best], pick, measured[pick]))
+        ranked = sorted(predicted, key=predicted.get)
+        pick = ranked[0]
+        margin = predicted[ranked[1]] / predicted[pick] - 1
+        picks.append(Pick(path, rate, len(by_policy), best, measured[best], pick, measured[pick], margin))
     return picks
 
 
 def ranking_stats(picks: list[Pick]) -> dict[str, float]:
     regrets = [p.regret for p in picks]
-    return {"groups": len(picks), "picked_best": sum(p.pick == p.best for p in picks),
+    return {"groups": len(picks), "picked_best": sum(p.regret == 1.0 for p in picks),
+            "near_ties": sum(p.margin < NEAR_TIE for p in picks),
             "regret_median": statistics.median(regrets) - 1 if regrets else 0.0,
             "regret_max": max(regrets) - 1 if regrets else 0.0}
 
@@ -192,13 +199,16 @@ def ranking_stats(picks: list[Pick]) -> dict[str, float]:
 def ranking_report(picks: list[Pick]) -> str:
     if not picks:
         return "ranking: no (path, rate) with two or more policies measured"
-    lines = [f"{'path':<8} {'rate':<9} {'policies':>8}  {'measured best':<22} {'model picks':<22} {'regret':>7}"]
+    lines = [f"{'path':<8} {'rate':<9} {'policies':>8}  {'measured best':<22} {'model picks':<22} {'regret':>7} "
+             f"{'predicted lead':>14}"]
     for p in picks:
         lines.append(f"{p.path:<8} {p.rate:<9} {p.policies:8d}  {p.best:<10} {p.best_s * 1e3:9.0f}ms  "
-                     f"{p.pick:<10} {p.pick_s * 1e3:9.0f}ms  {100 * (p.regret - 1):+6.1f}%")
+                     f"{p.pick:<10} {p.pick_s * 1e3:9.0f}ms  {100 * (p.regret - 1):+6.1f}% {100 * p.margin:13.2f}%"
+                     + ("  near-tie" if p.margin < NEAR_TIE else ""))
     s = ranking_stats(picks)
     lines.append(f"ranking: the model picked the measured best in {s['picked_best']} of {s['groups']} (path, rate); "
-                 f"regret median {100 * s['regret_median']:.1f}%, max {100 * s['regret_max']:.1f}% (goal: median <= "
+                 f"regret median {100 * s['regret_median']:.1f}%, max {100 * s['regret_max']:.1f}%; {s['near_ties']} picks "
+                 f"led by < {100 * NEAR_TIE:g}% (near-ties: the pick among them is arbitrary) (goal: median <= "
                  f"{100 * GOAL_REGRET_MEDIAN:g}%: {'met' if s['regret_median'] <= GOAL_REGRET_MEDIAN else 'NOT met'})")
     return "\n".join(lines)
 

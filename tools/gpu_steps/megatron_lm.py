@@ -212,7 +212,7 @@ def worker(run: str, megatron_argv: list[str], result_path: Path, cpu: bool) -> 
 
 
 # ----------------------------------------------------------------------------- driver
-def _transformer_impl_args() -> list[str]:
+def _transformer_impl_args(cpu: bool = False) -> list[str]:
     """Megatron-LM's default layers are Transformer Engine's; without TE installed, its local ones.
 
     The local layers then need apex for two of Megatron-LM's defaults: the persistent layer norm (the
@@ -224,7 +224,7 @@ def _transformer_impl_args() -> list[str]:
     def has(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
 
-    if has("transformer_engine"):
+    if has("transformer_engine") and not cpu:  # TE's layers need a GPU: the CPU self-check is always local
         return []
     args = ["--transformer-impl", "local"]
     if not has("apex"):
@@ -235,14 +235,21 @@ def _transformer_impl_args() -> list[str]:
 
 
 def root_error(log: str) -> str:
-    """The exception line a failed rank printed last (``[rank0]: AssertionError: ...``), not the launcher's
-    ChildFailedError banner; "" when there is none."""
-    found = ""
+    """The exception that ended a failed rank's traceback (``[rank0]: AssertionError: ...``), not the launcher's
+    ChildFailedError banner nor shutdown noise (``Exception ignored in ...``); "" when there is none. Lines a
+    rank printed (``[rankN]:``) win over unprefixed ones."""
+    found: dict[bool, str] = {}
+    in_traceback = {True: False, False: False}
     for line in log.splitlines():
+        ranked = bool(re.match(r"^\[rank\d+\]:", line.strip()))
         text = re.sub(r"^\[rank\d+\]:\s*", "", line.strip())
-        if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b.*", text) and "ChildFailedError" not in text:
-            found = text
-    return found[:500]
+        if text.startswith("Traceback (most recent call last)"):
+            in_traceback[ranked] = True
+        elif (in_traceback[ranked] and re.match(r"^[\w.]+(Error|Exception|Interrupt)\b:?", text)
+              and "ChildFailedError" not in text and not text.startswith("Exception ignored")):
+            found[ranked] = text
+            in_traceback[ranked] = False
+    return (found.get(True) or found.get(False) or "")[:500]
 
 
 def run_once(run: str, argv: list[str], out: Path, timeout_s: float, cpu: bool) -> dict:
@@ -258,12 +265,15 @@ def run_once(run: str, argv: list[str], out: Path, timeout_s: float, cpu: bool) 
         env["CUDA_VISIBLE_DEVICES"] = ""
     row: dict = {"run": run, "command": " ".join(cmd[1:])}
     start = time.monotonic()
-    try:
-        with open(log_path, "w") as log:
-            proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
-        row["returncode"] = proc.returncode
-    except subprocess.TimeoutExpired:
-        row["returncode"], row["error"] = None, f"timed out after {timeout_s:.0f} s"
+    with open(log_path, "w") as log:
+        # its own session: torchrun starts its workers in new sessions too, so a timeout must kill them by
+        # their process group, or a worker would keep the GPU busy through the next run and step
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            row["returncode"] = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_run(proc)
+            row["returncode"], row["error"] = None, f"timed out after {timeout_s:.0f} s"
     row["seconds"] = time.monotonic() - start
     if row["returncode"] != 0 or not result_path.exists():
         text = log_path.read_text(errors="replace") if log_path.exists() else ""
@@ -273,6 +283,29 @@ def run_once(run: str, argv: list[str], out: Path, timeout_s: float, cpu: bool) 
         return row
     row.update(json.loads(result_path.read_text()))
     return row
+
+
+def _kill_run(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher's group and every worker session it started (their parent is the launcher)."""
+    import signal
+
+    workers = []
+    try:
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:
+                    if int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) == proc.pid:
+                        workers.append(int(pid))
+                except (OSError, IndexError, ValueError):
+                    pass
+    except OSError:
+        pass
+    for pgid in [proc.pid] + workers:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait()
 
 
 def _mean(xs: list[float]) -> float:
@@ -343,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             return write_result(a.out, "skipped", {}, [], "no CUDA device (torch.cuda.is_available() is False)")
     a.out.mkdir(parents=True, exist_ok=True)
     iters = ITERS["cpu" if cpu else "quick" if a.quick else "full"]
-    base = (CPU_ARGS if cpu else GPU_ARGS) + _transformer_impl_args() + COMMON + [
+    base = (CPU_ARGS if cpu else GPU_ARGS) + _transformer_impl_args(cpu) + COMMON + [
         "--train-iters", str(iters), "--log-interval", str(max(1, iters // 6))]
     timeout = a.timeout or (180.0 if cpu else 55.0 if a.quick else 140.0)
     rows = [run_once(run, base + (PLUGIN_ARGS if run == "plugin" else []), a.out, timeout, cpu) for run in RUNS]
