@@ -42,7 +42,13 @@ def hooks_from_args(args) -> MegatronHooks:
         # train_iters: set by Megatron-LM from --train-iters, or from --train-samples inside pretrain().
         return getattr(args, "curr_iteration", 0) or 0, getattr(args, "train_iters", None)
 
-    return MegatronHooks(policy, ranks_per_node=args.zpp_ranks_per_node, iteration_source=megatron_lm_iteration)
+    model_parallel = None
+    if policy.name == "auto":  # the tp / pp codecs auto may turn on are installed now, off until it does
+        from megatron_zpp.policy.auto import auto_config_from_args, model_parallel_codecs, parse_allow
+
+        model_parallel = model_parallel_codecs(parse_allow(auto_config_from_args(args).allow))
+    return MegatronHooks(policy, ranks_per_node=args.zpp_ranks_per_node, iteration_source=megatron_lm_iteration,
+                         model_parallel_codecs=model_parallel)
 
 
 def check_weight_differences(args, policy_name: str, hpz_size: int | None = None) -> None:
@@ -95,6 +101,10 @@ def check_transformer_impl(args, hooks: MegatronHooks) -> None:
 def install_from_args(args) -> MegatronHooks:
     """:func:`hooks_from_args`, installed: call after ``parse_and_validate_args``, before ``pretrain()``."""
     hooks = hooks_from_args(args)
+    if hooks.policy.name == "auto":
+        raise ConfigError("--zpp-policy auto measures, chooses and switches between iterations inside megatron_zpp's "
+                          "own training loop (pretrain_gpt.py of this project); in Megatron-LM's script pick a fixed "
+                          "policy (python -m megatron_zpp.advise suggests one for your cluster)")
     check_transformer_impl(args, hooks)
     if not dist.is_initialized():  # Megatron-LM's pretrain() creates the process group after this call
         flight_recorder_default(getattr(args, "distributed_backend", None),

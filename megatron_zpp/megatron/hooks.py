@@ -54,11 +54,16 @@ class MegatronHooks(DdpRouting, FsdpRouting):
         iteration_source: returns ``(iteration, train_iters)`` when called; read by
             :meth:`sync_iteration` before every routed collective (the dp.grad schedule, the
             rounding seeds). Without it, call :meth:`set_iteration` yourself.
+        model_parallel_codecs: the ``tp`` / ``pp`` codecs to install (default: the policy's); a policy
+            :meth:`switch_policy` takes runs each of them or none (``--zpp-policy auto`` installs the codec it
+            may choose, off until it does).
     """
 
     def __init__(self, policy: Policy, ranks_per_node: int | None = None,
-                 iteration_source: Callable[[], tuple[int, int]] | None = None) -> None:
+                 iteration_source: Callable[[], tuple[int, int]] | None = None,
+                 model_parallel_codecs: dict[str, str] | None = None) -> None:
         self.policy = policy
+        self.model_parallel_codecs = dict(model_parallel_codecs or {d: policy.codec(d) for d in ("tp", "pp")})
         self.iteration_source = iteration_source
         self._iteration: int | None = None
         self._policy_agreed = False
@@ -125,6 +130,41 @@ class MegatronHooks(DdpRouting, FsdpRouting):
             self._model_parallel.suspended = suspended
         if suspended:
             self.reset_error_feedback()
+
+    def can_switch_to(self, policy: Policy) -> bool:
+        """Whether :meth:`switch_policy` can take ``policy``: its tp / pp codecs are the installed ones or none,
+        and it splits the ranks into the same nodes."""
+        return (all(policy.codec(d) in ("none", self.model_parallel_codecs[d]) for d in ("tp", "pp"))
+                and (policy.ranks_per_node or self.ranks_per_node) == self.ranks_per_node)
+
+    def switch_policy(self, policy: Policy) -> None:
+        """Run ``policy`` from the next collective on (``--zpp-policy auto``). Like :meth:`suspend_lossy`, call it
+        between iterations on every rank, with every rank's previous collectives issued (both sides of each
+        collective must agree on its codec); the divergence guard's suspension stays as it is, applied to the new
+        policy's lossy dimensions.
+
+        What the old policy left behind is dropped, so every replica starts the new one from the same weights: the
+        error-feedback residuals (they belong to the old codec's error), qWD's held shards (the next weight gather of
+        every bucket is in full precision, so a later switch back to qWD starts exact) and hpZ's secondary copies
+        (rebuilt at the next forward gather). The owners' exact fp32 shards kept at a lossy gather stay: the
+        optimizer's next step still starts from them, whatever the new codec."""
+        if not self.can_switch_to(policy):
+            raise ValueError(f"cannot switch to policy {policy.name!r}: tp {policy.codec('tp')!r} / pp "
+                             f"{policy.codec('pp')!r} must be none or the installed {self.model_parallel_codecs}, and "
+                             f"ranks per node {policy.ranks_per_node} must be {self.ranks_per_node}")
+        check_policy_devices(policy, self.device_type)
+        self.policy = policy
+        self._lossy_specs = frozenset(spec for spec in policy.codecs.values()
+                                      if spec != "none" and not get_codec(spec).lossless)
+        self._scheduled_grad_codec = policy.codec("dp.grad")
+        if self._iteration is not None and policy.dp_grad_until < 1.0 and self.iteration_source is not None:
+            self.set_iteration(*self.iteration_source())
+        mp = getattr(self, "_model_parallel", None)
+        if mp is not None:
+            mp.off = {d for d in ("tp", "pp") if policy.codec(d) == "none"}
+        self.reset_error_feedback()
+        self.resync_weights()
+        self.invalidate_secondary()
 
     def _unless_suspended(self, spec: str) -> str:
         if self.lossy_suspended and spec in self._lossy_specs:
@@ -234,8 +274,10 @@ class MegatronHooks(DdpRouting, FsdpRouting):
 
         # Kept before install(): install() rolls back its own patches on failure, and a later
         # failure here finds it through uninstall().
-        self._model_parallel = ModelParallelHooks(self.policy.codec("pp"), self.policy.codec("tp"),
+        self._model_parallel = ModelParallelHooks(self.model_parallel_codecs["pp"], self.model_parallel_codecs["tp"],
                                                   self.ranks_per_node)
+        # Installed but not in the policy (auto's choices): off until switch_policy turns it on.
+        self._model_parallel.off = {d for d in ("tp", "pp") if self.policy.codec(d) == "none"}
         self._model_parallel.install()
 
     def _time_waits(self, cls, names: tuple[str, ...]) -> None:

@@ -47,6 +47,9 @@ class ModelParallelHooks:
         self.ranks_per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None
         # Set by the divergence guard (MegatronHooks.suspend_lossy) between iterations: lossy codecs step aside.
         self.suspended = False
+        # Dimensions whose installed codec is off (``--zpp-policy auto`` has not chosen it): their traffic runs as
+        # with ``none``, switched between iterations like ``suspended``.
+        self.off: set[str] = set()
         self._pp_lossy = pp_codec != "none" and not get_codec(pp_codec).lossless
         self._tp_lossy = tp_codec != "none" and not get_codec(tp_codec).lossless
         self._restore: list[tuple[object, str, object]] = []
@@ -82,7 +85,7 @@ class ModelParallelHooks:
 
         def encoded_call(name, *, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
                          group, prev_pipeline_rank, next_pipeline_rank):
-            if hooks.suspended and hooks._pp_lossy:  # Megatron's own p2p, uncompressed (still counted)
+            if (hooks.suspended and hooks._pp_lossy) or "pp" in hooks.off:  # Megatron's own p2p (still counted)
                 me, rpn = dist.get_rank(), hooks.ranks_per_node or dist.get_world_size()
                 for t, peer in ((tensor_send_prev, prev_pipeline_rank), (tensor_send_next, next_pipeline_rank)):
                     if t is not None:
@@ -179,7 +182,7 @@ class ModelParallelHooks:
         hooks = self
 
         def codec() -> str:  # read at each call: the divergence guard may have suspended a lossy codec
-            return "none" if hooks.suspended and hooks._tp_lossy else hooks.tp_codec
+            return "none" if (hooks.suspended and hooks._tp_lossy) or "tp" in hooks.off else hooks.tp_codec
 
         def all_gather(output, input, group=None, async_op=False):
             return quantized_all_gather(output, input.contiguous(), hooks._topology(group), codec=codec(),

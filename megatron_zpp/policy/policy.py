@@ -91,7 +91,7 @@ def _load_yaml(policy: str) -> tuple[str, dict]:
     if policy in available_presets():
         path = PRESET_DIR / f"{policy}.yaml"
     elif not (path.suffix in (".yaml", ".yml") and path.is_file()):
-        raise ConfigError(f"policy {policy!r} is neither a preset ({', '.join(available_presets())}) "
+        raise ConfigError(f"policy {policy!r} is neither a preset ({', '.join(available_presets())}), auto, "
                           f"nor an existing .yaml file")
     data = yaml.safe_load(path.read_text()) or {}
     if not isinstance(data, dict):
@@ -128,7 +128,19 @@ def _family(spec: str) -> str:
 
 
 def resolve_policy(config: ZppConfig) -> Policy:
-    """Preset/YAML, then aliases, then command-line overrides; every spec validated."""
+    """Preset/YAML, then aliases, then command-line overrides; every spec validated. ``auto`` resolves to the
+    ``none`` preset named ``auto``, the policy it starts from (``megatron_zpp/training/auto_policy.py``)."""
+    if config.policy == "auto":
+        chosen = [f"--zpp-{f.name.replace('_', '-')}" for f in dataclasses.fields(config)
+                  if f.name not in ("policy", "ranks_per_node", "dp_grad_error_feedback")
+                  and getattr(config, f.name) is not None]
+        if chosen:
+            raise ConfigError(f"--zpp-policy auto chooses the codecs itself; drop {', '.join(chosen)} (or pick a "
+                              f"fixed policy: {', '.join(available_presets())}), and limit its choices with "
+                              "--zpp-auto-allow")
+        start = resolve_policy(dataclasses.replace(config, policy="none", dp_grad_error_feedback=None))
+        return dataclasses.replace(start, name="auto", error_feedback=bool(config.dp_grad_error_feedback),
+                                   description="--zpp-policy auto: starts uncompressed, then runs its choice")
     name, data = _load_yaml(config.policy)
     if not isinstance(data.get("codecs") or {}, dict):
         raise ConfigError(f"policy {name!r}: codecs must be a mapping of dimension to codec spec (e.g. dp.grad: "

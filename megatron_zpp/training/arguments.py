@@ -258,8 +258,11 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_zpp.training.divergence import add_divergence_args
     from megatron_zpp.training.watchdog import add_rank_failure_args
 
+    from megatron_zpp.policy.auto import add_auto_args
+
     add_rank_failure_args(p)
     add_divergence_args(p)
+    add_auto_args(p)
     return p
 
 
@@ -409,6 +412,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     with _flag_errors():
         rank_failure_config_from_args(args)  # errors name the flag now, before any process group exists
         divergence_config_from_args(args)
+    from megatron_zpp.policy.auto import auto_config_from_args
+
+    auto_config_from_args(args)  # ConfigErrors naming the --zpp-auto-* flag
     validate_transformer_impl(args)
     return args
 

@@ -112,7 +112,8 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
     cuda = device.type == "cuda"
     impl, impl_note = resolve_transformer_impl(
         args, cuda=cuda, te=transformer_engine_available(),
-        tp_compressed=policy.compresses("tp") and args.tensor_model_parallel_size > 1)
+        tp_compressed=(policy.compresses("tp") or hooks.model_parallel_codecs["tp"] != "none")
+        and args.tensor_model_parallel_size > 1)
     fusions, fusions_off = resolve_fusions(args, impl, cuda=cuda)
     if rank == 0:
         for note in (impl_note, optimizer_fallback_note(cuda)):
@@ -221,6 +222,15 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         logger.start(data.description, world)
         if logger.wandb is not None:
             guard.wandb_log = lambda values, step: logger.wandb.log(values, step=step)
+        auto = None
+        if policy.name == "auto":
+            from megatron_zpp.policy.auto import auto_config_from_args
+            from megatron_zpp.training.auto_policy import AutoPolicy
+
+            auto = AutoPolicy(auto_config_from_args(args), hooks, args, device=device, vocab=tokenizer.vocab_size,
+                              agreement=agreement, log=log, wandb_log=guard.wandb_log)
+            with watchdog.paused(), agreement.step("auto policy calibration"):
+                auto.start(start_iteration + 1)
 
         def on_micro_batch():
             watchdog.progress(args.curr_iteration + 1, faults.state["micro_batch"])
@@ -247,6 +257,9 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             faults.state.update(iteration=iteration + 1, micro_batch=0)
             watchdog.progress(iteration + 1, 0)
             guard.begin(iteration + 1)  # before any collective: the codecs of this step
+            if auto is not None:
+                with watchdog.paused():  # a decision may re-measure the link (bounded, a few seconds)
+                    auto.begin(iteration + 1)
             hooks.ensure_policy_agreed()  # once, world-wide; here every rank is at the same point
             hooks.sync_iteration()  # schedule and rounding seeds for this step, before any collective
             t0 = time.perf_counter()
@@ -270,10 +283,13 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             if replica_check is not None:
                 replica_check.end_iteration(iteration + 1)
             loss = _reduce_loss(reduced, parallel_state)
+            step_s = time.perf_counter() - t0
             losses.append(loss)
             diverged = guard.end(iteration + 1, loss, grad_norm, update_ok)
+            if auto is not None:
+                auto.end(iteration + 1, step_s)
             logger.iteration(iteration + 1, loss, scheduler.get_lr(optimizer.param_groups[0]), grad_norm,
-                             time.perf_counter() - t0, update_ok, hooks.hpz_bytes)
+                             step_s, update_ok, hooks.hpz_bytes)
             if diverged and guard.config.reload:
                 with watchdog.paused():
                     back = _reload_after_divergence(args, models, optimizer, scheduler, hooks, guard, log, agreement)
@@ -320,6 +336,8 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
                                 replica_check=replica_check)
         summary["valid_curve"] = valid_curve + ([(last_iteration, valid_loss)] if valid_loss is not None else [])
         summary["divergence_guard"] = guard.summary()
+        if auto is not None:
+            summary["auto_policy"] = auto.summary()
         summary["error_feedback_buckets"] = sorted(hooks._residuals)  # names of the buckets holding a residual
         summary["tokenizer"] = {"type": args.tokenizer_type, "vocab_size": tokenizer.vocab_size,
                                 "padded_vocab_size": args.padded_vocab_size}

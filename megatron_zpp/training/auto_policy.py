@@ -1,0 +1,458 @@
+"""``--zpp-policy auto``: measure the job's cluster, let the performance model choose, re-check while training.
+
+What happens, on every rank at the same points (every collective here is on the whole world, at an iteration
+boundary, never inside a step):
+
+1. **Startup calibration** (before the first iteration, bounded by ``--zpp-auto-calibration-s``): the node-major
+   ring step that crosses nodes and the intra-node all-to-all on the job's own ranks (alpha-beta fits over sizes
+   up to the job's bucket), the codec kernels on the job's device and dtype, the fp32 reduction and an Adam step
+   (``calibration.Probe``, the code ``tools/calibrate.py`` runs). Rank 0 writes them as a cluster YAML the advisor
+   reads (``--zpp-auto-cluster-yaml``).
+2. **Warm-up** (``--zpp-auto-warmup-iters``): the job trains with ``none`` (Megatron's own collectives); each
+   iteration's compute, its time less exposed communication and codec time (``comm_timers``), is the model's
+   measured compute (the slowest rank's).
+3. **Choice**: rank 0 ranks every candidate the user allows (``--zpp-auto-allow``: per-dimension combinations of
+   the presets' codecs) with ``perfmodel.predict`` on the measured numbers and broadcasts its decision; every rank
+   switches at the same iteration boundary, through :meth:`MegatronHooks.switch_policy`, confirmed by the same
+   agreement step as the divergence guard's switches. Rank 0's numbers decide, so ranks whose own measurements
+   differ still take the same decision.
+4. **Re-check** every ``--zpp-auto-recheck-interval`` iterations: the window's measured step time (the slowest
+   rank's) against the model's prediction for the running policy, relative to that ratio when the choice was
+   made. A drift beyond ``--zpp-auto-recheck-tolerance`` means the link changed: the inter-node link is measured
+   again (cheaply) and the candidates re-ranked; another policy is taken only if predicted faster by more than
+   ``--zpp-auto-hysteresis``. When the runner-up is predicted within ``--zpp-auto-explore-margin``, it runs for
+   ``--zpp-auto-explore-iters`` iterations once per decision and the measured faster of the two is kept
+   (measured beats predicted).
+
+Every decision is a log line on rank 0 and a W&B event, with the measured inputs, each candidate's predicted step
+time, the choice and, at the next re-check, the choice's measured step time; ``summary()`` lists them (the same
+on every rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_zpp.policy.auto import (START, AutoPolicyConfig, candidates, parse_allow, parse_script,  # noqa: F401
+                                      preset_for_job)
+
+EXPLORE_MAX = 2  # runners-up tried after a decision, at most (each costs --zpp-auto-explore-iters iterations)
+
+
+# ---------------------------------------------------------------------------------------------- the job as the model sees it
+
+
+def workload_from_args(args, vocab: int, world: int):
+    """The running job as a ``perfmodel.WorkloadSpec``."""
+    from megatron_zpp.perfmodel import LayoutSpec, ModelSpec, WorkloadSpec
+
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    zero_mode = "fsdp" if args.use_megatron_fsdp else "distopt" if args.use_distributed_optimizer else "ddp"
+    model = ModelSpec(layers=args.num_layers, hidden=args.hidden_size, heads=args.num_attention_heads,
+                      seq_length=args.seq_length, vocab=vocab,
+                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                      ffn_hidden=args.ffn_hidden_size or 4 * args.hidden_size,
+                      learned_position_embeddings=getattr(args, "position_embedding_type", "learned_absolute")
+                      == "learned_absolute")
+    layout = LayoutSpec(micro_batch=args.micro_batch_size, global_batch=args.global_batch_size, tp=tp, pp=pp,
+                        dp=world // (tp * pp), param_bytes=2 if (args.bf16 or args.fp16) else 4,
+                        grad_bytes=2 if args.fp16 else 4, zero_mode=zero_mode, bucket_size=args.ddp_bucket_size,
+                        overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
+                        activation_recompute=args.recompute_granularity == "full",
+                        compressed_reduce_overlaps=zero_mode != "fsdp")
+    return WorkloadSpec(name="this job", model=model, layout=layout)
+
+
+@dataclass
+class Measured:
+    """What the startup calibration measured (rank 0's view, mean or max over ranks where the probe agrees)."""
+
+    intra: object | None  # calibration.Fit
+    inter: object
+    codecs: dict
+    reduce_throughput: float
+    optimizer_params_per_s: float
+    optimizer_fixed_s: float
+    seconds: float
+
+    def summary(self) -> dict:
+        return {"inter_alpha_s": self.inter.alpha, "inter_bandwidth_Bps": self.inter.bandwidth,
+                "intra_alpha_s": self.intra.alpha if self.intra else None,
+                "intra_bandwidth_Bps": self.intra.bandwidth if self.intra else None,
+                "codecs": {k: v["quantize"] for k, v in self.codecs.items()}, "calibration_s": self.seconds}
+
+
+def calibrate(probe, budget_s: float, *, max_bytes: int, dtype: torch.dtype, optimizer_params: int) -> Measured:
+    """The startup calibration on every rank (``probe``: a ``calibration.Probe`` on the job's ranks), bounded by
+    ``budget_s``: each fit's repetitions are sized to its share of the budget (agreed across ranks)."""
+    t0 = time.perf_counter()
+    top = max(64 << 10, min(max_bytes, 8 << 20))
+    sizes = sorted({max(16 << 10, top // 64), max(32 << 10, top // 8), top})
+    per_size = budget_s * 0.6 / (2 * len(sizes))
+    inter = probe.ring_fit(sizes, per_size)
+    intra = probe.a2a_fit(probe.intra, probe.g - 1, 1, sizes, per_size) if probe.intra is not None else None
+    reps = 3 if budget_s < 4 else 5
+    codecs = probe.codecs(dtype=dtype, numel=1 << 18, reps=reps, interface=False)
+    reduce = probe.reduce_throughput()
+    params_per_s, fixed = probe.optimizer(max(1 << 14, min(optimizer_params, 1 << 22)), reps=reps)
+    seconds = probe.agree_max(time.perf_counter() - t0)
+    return Measured(intra=intra, inter=inter, codecs=codecs, reduce_throughput=reduce,
+                    optimizer_params_per_s=params_per_s, optimizer_fixed_s=fixed, seconds=seconds)
+
+
+def cluster_fields(m: Measured, workload, *, nodes: int, ranks_per_node: int, backend: str, fwd_bwd_s: float,
+                   source: str) -> dict:
+    """``ClusterSpec`` fields from the calibration and the measured compute of one micro-batch."""
+    from megatron_zpp.perfmodel import iteration_flops
+
+    intra = m.intra or m.inter
+    model, lay = workload.model, workload.layout
+    world = nodes * ranks_per_node
+    compute_flops = iteration_flops(workload) / world / max(fwd_bwd_s * lay.microbatches, 1e-9)
+    iteration = ([{"layers": model.layers, "hidden": model.hidden, "seq_length": model.seq_length,
+                   "micro_batch": lay.micro_batch, "vocab": model.vocab, "fwd_bwd_s": fwd_bwd_s}]
+                 if lay.tp == 1 and lay.pp == 1 else [])
+    return {"name": "zpp-auto", "source": source, "nodes": nodes, "ranks_per_node": ranks_per_node,
+            "backend": backend, "intra_alpha": intra.alpha, "intra_bandwidth": intra.bandwidth,
+            "inter_alpha": m.inter.alpha, "inter_bandwidth": m.inter.bandwidth, "inter_link_efficiency": 1.0,
+            "inter_bandwidth_cap": None, "compute_flops": compute_flops, "measured_layers": [],
+            "measured_iterations": iteration, "gamma": 1.0,
+            "codec_throughput": {k: dict(v) for k, v in m.codecs.items()},
+            "reduce_throughput": m.reduce_throughput, "optimizer_params_per_s": m.optimizer_params_per_s,
+            "optimizer_overhead_s": max(m.optimizer_fixed_s, 0.0)}
+
+
+def rank_candidates(cluster, workload, policies: list) -> list[tuple[str, float]]:
+    """(name, predicted step seconds) of every policy the model can predict, fastest first (ties: list order)."""
+    from megatron_zpp.perfmodel import predict
+
+    out = []
+    for i, p in enumerate(policies):
+        try:
+            out.append((predict(cluster, workload, p).step_time_s, i, p.name))
+        except ValueError:  # e.g. a codec the calibration could not time here: not a candidate
+            continue
+    return [(name, s) for s, _, name in sorted(out)]
+
+
+def decide_on_rank0(rank0_view, device) -> object:
+    """Rank 0's ``rank0_view`` on every rank (one broadcast): the decision is made once and taken by all."""
+    box = [rank0_view if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
+    return box[0]
+
+
+# ---------------------------------------------------------------------------------------------- the controller
+
+
+class AutoPolicy:
+    """One per rank: ``start()`` before the first iteration, then ``begin(it)`` before and ``end(it, s)`` after
+    every 1-based iteration ``it``."""
+
+    def __init__(self, config: AutoPolicyConfig, hooks, args, *, device: torch.device, vocab: int, agreement,
+                 log=print, wandb_log=None) -> None:
+        from megatron_zpp.comm import Topology
+
+        self.config = config
+        self.hooks = hooks
+        self.args = args
+        self.device = device
+        self.agreement = agreement
+        self.log = log
+        self.wandb_log = wandb_log
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.workload = workload_from_args(args, vocab, self.world)
+        self.zero_mode = self.workload.layout.zero_mode
+        rpn = hooks.ranks_per_node or self.world
+        topo = Topology(None, ranks_per_node=rpn)  # the world's node split, as the policy's collectives see it
+        self.ranks_per_node, self.nodes = topo.node_size, topo.num_nodes
+        self._intra_group = topo.intra_group
+        self.allow = parse_allow(config.allow)
+        self.candidates = candidates(self.allow, zero_mode=self.zero_mode, tp=self.workload.layout.tp,
+                                     pp=self.workload.layout.pp, ranks_per_node=hooks.policy.ranks_per_node,
+                                     nodes_ranks=self.ranks_per_node, error_feedback=hooks.policy.error_feedback)
+        self.candidates = [p for p in self.candidates if hooks.can_switch_to(p) and _runs_here(p, args)]
+        self.by_name = {p.name: p for p in self.candidates}
+        self.script = parse_script(config.script)
+        self.current = START
+        self.decisions: list[dict] = []
+        self.measured_inputs: Measured | None = None
+        self.cluster = None
+        self._steps: list[tuple[int, float, float]] = []  # (iteration, step s, compute s) this rank, since a switch
+        self._timers0 = (0.0, 0.0)
+        self._switched_at = 1
+        self._ratio0: float | None = None  # measured / predicted step of the running policy, when chosen
+        self._measured: dict[str, float] = {}  # policy -> measured step s since the last (re-)measure
+        self._plan: list[tuple[int, str]] = []  # exploration: (iteration, "try NAME" | "judge CHOICE RUNNER")
+        self._next_check: int | None = None
+        self._decide_at = config.warmup_iters + 1
+
+    # ------------------------------------------------------------------ startup
+    def start(self, first_iteration: int = 1) -> None:
+        """Before ``first_iteration`` (1-based; after a resume, the one after the loaded checkpoint's): the startup
+        calibration, on every rank (skipped with ``--zpp-auto-script``)."""
+        self._decide_at = first_iteration + self.config.warmup_iters
+        self._switched_at = first_iteration
+        if self.script:
+            return
+        from megatron_zpp.training.calibration import Probe
+
+        probe = Probe(self.device, self.ranks_per_node, self._intra_group)
+        dtype = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else torch.float32
+        bucket = (self.args.ddp_bucket_size or 40_000_000) * 4
+        shard_params = max(1, _total_params(self.workload) // max(1, self.workload.layout.dp * self.workload.layout.tp
+                                                                   * self.workload.layout.pp))
+        self.measured_inputs = calibrate(probe, self.config.calibration_s, max_bytes=bucket // max(1, self.world),
+                                         dtype=dtype, optimizer_params=shard_params)
+        if self.rank == 0:
+            m = self.measured_inputs.summary()
+            self.log(f"[zpp auto] calibration {m['calibration_s']:.1f} s (budget {self.config.calibration_s:g} s): "
+                     f"inter-node {m['inter_bandwidth_Bps'] / 1e6:.2f} MB/s per node, alpha "
+                     f"{m['inter_alpha_s'] * 1e3:.2f} ms; intra-node "
+                     + (f"{m['intra_bandwidth_Bps'] / 1e6:.1f} MB/s per rank" if m["intra_bandwidth_Bps"] else "none")
+                     + "; codecs " + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in m["codecs"].items()))
+
+    # ------------------------------------------------------------------ per iteration
+    # Every branch below is taken on every rank at the same iteration: the schedule (_decide_at, _plan,
+    # _next_check) changes only from values every rank holds (the config, broadcasts, all-reduced times).
+    def begin(self, iteration: int) -> None:
+        """Before 1-based ``iteration``, before any of its collectives: decide, explore or re-check when due."""
+        if self.script:
+            if iteration in self.script:
+                self._switch(iteration, self.script[iteration], "script")
+        elif iteration == self._decide_at and self.cluster is None:
+            self._choose(iteration)
+        elif self._plan and self._plan[0][0] == iteration:
+            _, action = self._plan.pop(0)
+            self._explore_step(iteration, action)
+        elif self._next_check is not None and iteration >= self._next_check:
+            self._recheck(iteration)
+        self._mark()
+
+    def end(self, iteration: int, seconds: float) -> None:
+        """After ``iteration``: its step time and compute (step less this rank's exposed communication and codec
+        time), kept locally; the first iteration after a switch carries one-off costs and is left out."""
+        from megatron_zpp.comm import comm_timers
+
+        t = comm_timers()
+        codec, wait = t.codec_s - self._timers0[0], t.wait_s - self._timers0[1]
+        if iteration > self._switched_at:
+            self._steps.append((iteration, seconds, max(seconds - codec - wait, 1e-9)))
+
+    def _mark(self) -> None:
+        from megatron_zpp.comm import comm_timers
+
+        t = comm_timers()
+        self._timers0 = (t.codec_s, t.wait_s)
+
+    # ------------------------------------------------------------------ decisions
+    def _window(self) -> tuple[float, float]:
+        """(step s, compute s) of the iterations timed since the last switch: each rank's median, then the slowest
+        rank's (one all-reduce: every rank gets the same numbers). Clears the window."""
+        steps = [s for _, s, _ in self._steps] or [math.nan]
+        computes = [c for _, _, c in self._steps] or [math.nan]
+        t = torch.tensor([statistics.median(steps), statistics.median(computes)], dtype=torch.float64,
+                         device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        self._steps = []
+        return float(t[0]), float(t[1])
+
+    def _predict_all(self) -> list[tuple[str, float]]:
+        return rank_candidates(self.cluster, self.workload, self.candidates)
+
+    def _choose(self, iteration: int) -> None:
+        """The first decision: rank 0 builds the cluster from its calibration and the warm-up's compute, every
+        rank ranks the candidates on those same numbers."""
+        from megatron_zpp.perfmodel import from_dict
+        from megatron_zpp.perfmodel.specs import ClusterSpec
+
+        step_s, compute_s = self._window()
+        view = None
+        if self.rank == 0:  # rank 0's measurements decide: the others' may differ, their decision may not
+            fields = cluster_fields(self.measured_inputs, self.workload, nodes=self.nodes,
+                                    ranks_per_node=self.ranks_per_node, backend=dist.get_backend(),
+                                    fwd_bwd_s=compute_s / self.workload.layout.microbatches,
+                                    source=f"--zpp-policy auto, {time.strftime('%Y-%m-%d %H:%M')}")
+            self.cluster = from_dict(ClusterSpec, fields, "auto calibration")
+            self._write_cluster(fields)
+            view = {"fields": fields, "inputs": self.measured_inputs.summary(), "ranked": self._predict_all()}
+        view = decide_on_rank0(view, self.device)
+        self.cluster = from_dict(ClusterSpec, view["fields"], "auto calibration")
+        self._measured = {START: step_s}
+        ranked = view["ranked"]
+        self._decide(iteration, "startup calibration", ranked, ranked[0][0],
+                     {"warmup_step_s": step_s, "compute_s": compute_s, **view["inputs"]})
+
+    def _decide(self, iteration: int, reason: str, ranked: list[tuple[str, float]], choice: str, inputs: dict) -> None:
+        """Log the decision, switch to ``choice`` and plan what follows: exploring the runner-up when the model
+        cannot tell them apart, else a first window of the choice (its measured-to-predicted ratio is the
+        reference later re-checks compare with)."""
+        predicted = dict(ranked)
+        runner = next((n for n, _ in ranked if n != choice), None)
+        margin = predicted[runner] / predicted[choice] - 1 if runner else math.inf
+        self.decisions.append({"iteration": iteration, "reason": reason, "inputs": inputs, "predicted_s": predicted,
+                               "choice": choice, "previous": self.current, "runner_up": runner, "margin": margin,
+                               "measured_s": None})
+        if self.rank == 0:
+            top = ", ".join(f"{n} {s * 1e3:.0f}" for n, s in ranked[:6])
+            self.log(f"[zpp auto] iteration {iteration}: {reason}; predicted ms per iteration: {top}"
+                     + (" ..." if len(ranked) > 6 else "") + f"; choice {choice}"
+                     + (f" (runner-up {runner} {100 * margin:+.1f}%)" if runner else ""))
+        self._wandb({"zpp/auto_choice": self._index(choice), "zpp/auto_predicted_s": predicted[choice],
+                     **{f"zpp/auto_predicted_s/{n}": s for n, s in ranked}}, iteration)
+        self._switch(iteration, choice, reason)
+        self._ratio0 = None
+        e = self.config.explore_iters
+        close = [n for n, s in ranked if n != choice and s < predicted[choice] * (1 + self.config.explore_margin)]
+        close = close[:EXPLORE_MAX]
+        if close and self.config.recheck_interval:
+            # Measured beats predicted: time the choice, then each close runner-up, keep the fastest (with the
+            # uncompressed warm-up's own measurement, when this is the startup decision).
+            self._plan = [(iteration + (i + 1) * e, f"try {n}") for i, n in enumerate(close)]
+            self._plan.append((iteration + (len(close) + 1) * e, "judge " + " ".join([choice, *close])))
+            self._next_check = iteration + (len(close) + 2) * e
+        else:
+            self._plan = []
+            self._next_check = iteration + e if self.config.recheck_interval else None
+
+    def _explore_step(self, iteration: int, action: str) -> None:
+        step_s, _ = self._window()
+        self._measured[self.current] = step_s
+        self._note_measured(step_s)
+        verb, *names = action.split(" ")
+        if verb == "try":
+            self._switch(iteration, names[0], "exploring the runner-up")
+            return
+        tried = [n for n in dict.fromkeys([*names, *self._measured]) if n in self.by_name]
+        keep = min(tried, key=lambda n: (self._measured.get(n, math.inf), tried.index(n)))
+        if self.rank == 0:
+            self.log(f"[zpp auto] iteration {iteration}: measured ms per iteration: "
+                     + ", ".join(f"{n} {self._measured[n] * 1e3:.0f}" for n in tried if n in self._measured)
+                     + f"; keeping {keep}")
+        self.decisions.append({"iteration": iteration, "reason": "exploration measured", "inputs": {},
+                               "predicted_s": {}, "choice": keep, "previous": self.current, "runner_up": None,
+                               "margin": None, "measured_s": {n: self._measured.get(n) for n in tried}})
+        self._wandb({"zpp/auto_choice": self._index(keep), "zpp/auto_measured_s": self._measured.get(keep)}, iteration)
+        self._switch(iteration, keep, "exploration measured")
+        self._ratio0 = None
+
+    def _note_measured(self, step_s: float) -> None:
+        """The running choice's measured step time, on its decision (once) and in W&B."""
+        for d in reversed(self.decisions):
+            if d.get("choice") == self.current and d.get("measured_s") is None and d["reason"] != "script":
+                d["measured_s"] = step_s
+                break
+
+    def _recheck(self, iteration: int) -> None:
+        step_s, _ = self._window()
+        self._measured[self.current] = step_s
+        self._note_measured(step_s)
+        self._wandb({"zpp/auto_measured_s": step_s}, iteration)
+        self._next_check = iteration + self.config.recheck_interval
+        view = None
+        if self.rank == 0:
+            ratio = step_s / dict(self._predict_all())[self.current]
+            drift = math.nan if self._ratio0 is None else ratio / self._ratio0 - 1
+            view = {"ratio": ratio, "drift": drift}
+        view = decide_on_rank0(view, self.device)
+        if self._ratio0 is None:
+            self._ratio0 = view["ratio"]  # the choice's first window: what later windows are compared with
+            return
+        drift = view["drift"]
+        if not abs(drift) > self.config.recheck_tolerance:  # a NaN window (nothing timed) is no drift
+            return
+        # The link changed: measure it again (bounded), re-rank, switch past the hysteresis only.
+        from megatron_zpp.training.calibration import Probe
+
+        probe = Probe(self.device, self.ranks_per_node, self._intra_group)
+        t0 = time.perf_counter()
+        top = max(64 << 10, min((self.args.ddp_bucket_size or 40_000_000) * 4 // max(1, self.world), 8 << 20))
+        inter = probe.ring_fit(sorted({max(32 << 10, top // 8), top}), min(1.0, self.config.calibration_s / 8))
+        seconds = probe.agree_max(time.perf_counter() - t0)
+        view = None
+        if self.rank == 0:
+            self.cluster = dataclasses.replace(self.cluster, inter_alpha=inter.alpha, inter_bandwidth=inter.bandwidth)
+            ranked = self._predict_all()
+            predicted = dict(ranked)
+            best = ranked[0][0]
+            keep = not predicted[best] < predicted[self.current] * (1 - self.config.hysteresis)
+            view = {"alpha": inter.alpha, "bandwidth": inter.bandwidth, "ranked": ranked,
+                    "choice": self.current if keep else best}
+        view = decide_on_rank0(view, self.device)
+        self.cluster = dataclasses.replace(self.cluster, inter_alpha=view["alpha"], inter_bandwidth=view["bandwidth"])
+        self._measured = {}
+        ranked, choice = view["ranked"], view["choice"]
+        self._decide(iteration, f"measured/predicted drifted {100 * drift:+.0f}%, link re-measured: "
+                                f"{view['bandwidth'] / 1e6:.2f} MB/s per node in {seconds:.1f} s", ranked, choice,
+                     {"step_s": step_s, "drift": drift, "inter_bandwidth_Bps": view["bandwidth"],
+                      "inter_alpha_s": view["alpha"], "remeasure_s": seconds})
+
+    def _switch(self, iteration: int, name: str, reason: str) -> None:
+        """Every rank runs ``name`` from this iteration on (the divergence guard's switching path: an agreement
+        step, so a switch that fails on one rank is the same error on all, before any mismatched collective)."""
+        policy = self.by_name.get(name)
+        if policy is None:  # a scripted preset
+            policy = preset_for_job(name, zero_mode=self.zero_mode, ranks_per_node=self.hooks.policy.ranks_per_node,
+                                    nodes_ranks=self.ranks_per_node)
+        if name != self.current:
+            with self.agreement.step("policy switch", local=True):
+                self.hooks.switch_policy(policy)
+            if reason == "script":
+                self.decisions.append({"iteration": iteration, "reason": reason, "choice": name,
+                                       "previous": self.current})
+                if self.rank == 0:
+                    self.log(f"[zpp auto] iteration {iteration}: {self.current} -> {name} (script)")
+            self.current = name
+        self._switched_at = iteration
+        self._steps = []
+
+    def _index(self, name: str) -> int:
+        return next((i for i, p in enumerate(self.candidates) if p.name == name), -1)
+
+    def _wandb(self, values: dict, iteration: int) -> None:
+        if self.wandb_log is not None and self.rank == 0:
+            self.wandb_log(values, iteration)
+
+    def _write_cluster(self, fields: dict) -> None:
+        from megatron_zpp.training.calibration import write_cluster
+
+        path = self.config.cluster_yaml or str(Path(self.args.save or tempfile.gettempdir()) / "zpp-auto-cluster.yaml")
+        try:
+            write_cluster(Path(path), fields, None, writer="--zpp-policy auto (megatron_zpp/training/auto_policy.py)")
+            self.log(f"[zpp auto] wrote the calibrated cluster to {path} (python -m megatron_zpp.advise --cluster {path})")
+        except (OSError, ValueError) as e:
+            self.log(f"[zpp auto] could not write the cluster YAML {path}: {e}")
+
+    def summary(self) -> dict:
+        return {"decisions": self.decisions, "current": self.current,
+                "calibration": self.measured_inputs.summary() if self.measured_inputs else None,
+                "candidates": [p.name for p in self.candidates]}
+
+
+def _runs_here(policy, args) -> bool:
+    """Whether this job can run ``policy`` (qWD needs the distributed optimizer's or hpZ's copy of the weights)."""
+    from megatron_zpp.megatron import check_weight_differences
+    from megatron_zpp.policy import ConfigError
+
+    if not policy.param_difference:
+        return True
+    try:
+        check_weight_differences(args, policy.name, policy.hpz_size)
+    except ConfigError:
+        return False
+    return True
+
+
+def _total_params(workload) -> int:
+    from megatron_zpp.perfmodel import total_params
+
+    return total_params(workload)

@@ -1,0 +1,110 @@
+"""Per-rank bodies of the ``--zpp-policy auto`` tests (spawned gloo processes, CPU shim)."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from megatron_zpp.training.arguments import PROJECT_RECIPE
+from megatron_zpp.training.trainer import pretrain
+
+SMALL = PROJECT_RECIPE + ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+         "--micro-batch-size", "2", "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "constant",
+         "--log-interval", "1000", "--eval-iters", "0", "--zpp-ranks-per-node", "2"]
+
+
+def _quiet(*args, **kwargs) -> None:
+    pass
+
+
+def scripted_switches(parallel: list[str], script: str, iterations: int) -> dict:
+    """Train under ``--zpp-policy auto`` switching presets by script, with the replica check on: every module's
+    weights at every use compared across data-parallel replicas, across every switch."""
+    run = pretrain(SMALL + parallel + ["--train-iters", str(iterations), "--zpp-policy", "auto", "--zpp-auto-script",
+                                       script, "--check-replica-weights"], log=_quiet)
+    return {"replica_check": run["replica_check"], "finite": run["finite"], "losses": run["losses"],
+            "auto": run["auto_policy"], "traffic": {k: v for k, v in run.get("traffic", {}).items()}}
+
+
+def skewed_decision(parallel: list[str], iterations: int, slow_rank0: bool) -> dict:
+    """``--zpp-policy auto`` whose startup calibration measures different links on each rank: rank 0 3 MB/s ones
+    (``slow_rank0``; compression pays) or 30 GB/s ones (it does not), every other rank the opposite. The decision
+    must be rank 0's on every rank."""
+    import dataclasses
+
+    import megatron_zpp.training.auto_policy as auto
+
+    original = auto.calibrate
+
+    def skewed(probe, budget_s, **kwargs):
+        m = original(probe, budget_s, **kwargs)
+        slow = (dist.get_rank() == 0) == slow_rank0
+        link = dict(bandwidth=3e6, alpha=1e-3) if slow else dict(bandwidth=3e10, alpha=1e-6)
+        return dataclasses.replace(m, inter=dataclasses.replace(m.inter, **link),
+                                   intra=dataclasses.replace(m.intra, **link))
+
+    auto.calibrate = skewed
+    try:
+        run = pretrain(SMALL + parallel + ["--train-iters", str(iterations), "--zpp-policy", "auto",
+                                           "--zpp-auto-calibration-s", "1", "--zpp-auto-recheck-interval", "0"],
+                       log=_quiet)
+    finally:
+        auto.calibrate = original
+    return {"auto": run["auto_policy"], "finite": run["finite"]}
+
+
+def calibration_bound(budget_s: float) -> dict:
+    """The startup calibration alone on a gloo world of 2 nodes x 2 ranks: its agreed duration and inputs."""
+    import torch
+
+    from megatron_zpp.comm import Topology
+    from megatron_zpp.training.auto_policy import calibrate
+    from megatron_zpp.training.calibration import Probe
+
+    topo = Topology(None, ranks_per_node=2)
+    probe = Probe(torch.device("cpu"), topo.node_size, topo.intra_group)
+    m = calibrate(probe, budget_s, max_bytes=64 << 20, dtype=torch.float32, optimizer_params=1 << 20)
+    return m.summary()
+
+
+def link_change(parallel: list[str], iterations: int, change_at: int) -> dict:
+    """Auto's re-check on a link that slows down at ``change_at``: from then on every iteration's measured time
+    grows by what a 300 KB/s link would add (the re-measured link is that slow), the drift triggers a re-measure
+    and the re-ranked choice is taken."""
+    import dataclasses
+
+    import megatron_zpp.training.auto_policy as auto
+    from megatron_zpp.training.calibration import Probe
+
+    original_end, original_fit = auto.AutoPolicy.end, Probe.ring_fit
+
+    def end(self, iteration, seconds):
+        if iteration >= change_at and self.current in ("none", "fair"):
+            seconds += 2.0  # an uncompressed iteration on the slowed link
+        return original_end(self, iteration, seconds)
+
+    def ring_fit(self, sizes, budget_s, min_fit_bytes=0):
+        fit = original_fit(self, sizes, budget_s, min_fit_bytes)
+        return dataclasses.replace(fit, bandwidth=3e5)  # the re-measure finds the slow link
+
+    auto.AutoPolicy.end, Probe.ring_fit = end, ring_fit
+    original_calibrate = auto.calibrate
+
+    def fast(probe, budget_s, **kwargs):  # startup: a fast link, so the first choice is uncompressed
+        Probe.ring_fit = original_fit
+        try:
+            m = original_calibrate(probe, budget_s, **kwargs)
+        finally:
+            Probe.ring_fit = ring_fit
+        return dataclasses.replace(m, inter=dataclasses.replace(m.inter, bandwidth=3e10, alpha=1e-5),
+                                   intra=dataclasses.replace(m.intra, bandwidth=3e10, alpha=1e-5))
+
+    auto.calibrate = fast
+    try:
+        run = pretrain(SMALL + parallel + ["--train-iters", str(iterations), "--zpp-policy", "auto",
+                                           "--zpp-auto-calibration-s", "1", "--zpp-auto-recheck-interval", "4",
+                                           "--zpp-auto-explore-iters", "2", "--zpp-auto-explore-margin", "0",
+                                           "--zpp-auto-allow", "lossy-grad,lossy-param", "--check-replica-weights"],
+                       log=_quiet)
+    finally:
+        auto.AutoPolicy.end, Probe.ring_fit, auto.calibrate = original_end, original_fit, original_calibrate
+    return {"auto": run["auto_policy"], "finite": run["finite"], "replica_check": run["replica_check"]}

@@ -1,0 +1,168 @@
+"""``--zpp-policy auto`` (issue 24): what it may choose, that every rank takes rank 0's decision, that replicas stay
+identical across its switches on both ZeRO paths, that its calibration is bounded and that a changed link is
+noticed and acted on. Its measured throughput against fixed policies is benchmark evidence (docs/performance.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+import auto_checks as checks
+from megatron_zpp.perfmodel import from_dict, predict
+from megatron_zpp.perfmodel.specs import ClusterSpec
+from megatron_zpp.policy import ConfigError, ZppConfig, resolve_policy
+from megatron_zpp.policy.auto import AutoPolicyConfig, candidates, model_parallel_codecs, parse_allow
+from megatron_zpp.testing import run_distributed
+
+DISTOPT_OVERLAP = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+LAYOUTS = {
+    "distopt": ["--use-distributed-optimizer"],
+    "distopt-overlap-both": DISTOPT_OVERLAP,
+    "fsdp-hpz": ["--use-megatron-fsdp", "--bf16", "--overlap-grad-reduce", "--overlap-param-gather"],
+}
+
+
+def _lossy(spec: str) -> bool:
+    from megatron_zpp.compression import get_codec
+
+    return spec != "none" and not get_codec(spec).lossless
+
+
+def test_allow_limits_the_candidates_and_bad_values_are_named():
+    every = candidates(parse_allow(AutoPolicyConfig().allow), zero_mode="distopt", tp=2, pp=2, ranks_per_node=2)
+    names = [p.name for p in every]
+    assert {"none", "fair", "zeropp", "sdp4bit", "qgz", "qwd"} <= set(names) and len(names) == len(set(names))
+    # the default allows lossless tp / pp only: MPC, never a lossy model-parallel codec
+    assert {p.codec("tp") for p in every} == {"none", "mpc"} and {p.codec("pp") for p in every} == {"none", "mpc"}
+    # presets are what their names say
+    for preset in ("zeropp", "sdp4bit", "fair"):
+        mine = next(p for p in every if p.name == preset)
+        ref = resolve_policy(ZppConfig(policy=preset))
+        assert (mine.codecs, mine.dp_grad_intra, mine.param_difference, mine.dp_uncompressed) == \
+               (ref.codecs, ref.dp_grad_intra, ref.param_difference, ref.dp_uncompressed), preset
+
+    grads_only = candidates(parse_allow("lossy-grad"), zero_mode="distopt", tp=2, pp=1, ranks_per_node=2)
+    assert all(p.codec("dp.param") == "none" and p.codec("tp") == "none" for p in grads_only)
+    assert any(_lossy(p.codec("dp.grad")) for p in grads_only)
+    assert {p.name for p in candidates(parse_allow("none"), zero_mode="fsdp", tp=1, pp=1, ranks_per_node=2)} == \
+           {"none", "fair"}
+    lossy_tp = candidates(parse_allow("lossy-tp"), zero_mode="distopt", tp=2, pp=1, ranks_per_node=2)
+    assert {p.codec("tp") for p in lossy_tp} == {"none", model_parallel_codecs(parse_allow("lossy-tp"))["tp"]}
+    assert all(_lossy(p.codec("tp")) or p.codec("tp") == "none" for p in lossy_tp)
+    # qWD on Megatron-FSDP lives on hpZ's copy: with one rank per node it is not offered
+    assert not any(p.param_difference for p in candidates(parse_allow("lossy-param"), zero_mode="fsdp", tp=1, pp=1,
+                                                           ranks_per_node=1, nodes_ranks=1))
+    fsdp = candidates(parse_allow("lossy-param"), zero_mode="fsdp", tp=1, pp=1, ranks_per_node=2)
+    assert all((p.hpz_size is None) == (p.codec("dp.param") != "none") for p in fsdp)
+
+    with pytest.raises(ConfigError, match=r"'lossy-weights'.*valid: .*lossy-param"):
+        parse_allow("lossy-grad,lossy-weights")
+    with pytest.raises(ConfigError, match=r"auto chooses the codecs.*--zpp-dp-grad"):
+        resolve_policy(ZppConfig(policy="auto", dp_grad="int4:block=128"))
+    assert resolve_policy(ZppConfig(policy="auto")).is_identity  # it starts as Megatron's own collectives
+
+
+def test_auto_flags_are_checked_before_training():
+    from megatron_zpp.training.arguments import build_parser, validate_args
+
+    base = checks.SMALL + ["--zpp-policy", "auto", "--use-distributed-optimizer"]
+    for flags, match in ((["--zpp-auto-allow", "everything"], "'everything'"),
+                         (["--zpp-auto-script", "3:fastest"], "ITER:PRESET"),
+                         (["--zpp-auto-warmup-iters", "1"], "warmup-iters 1"),
+                         (["--zpp-auto-hysteresis", "1.5"], "hysteresis 1.5")):
+        with pytest.raises(ConfigError, match=match):
+            validate_args(build_parser().parse_args(base + flags), 4)
+
+
+@pytest.mark.parametrize("layout", [pytest.param("distopt", marks=pytest.mark.slow), "distopt-overlap-both",
+                                    "fsdp-hpz"])
+def test_replicas_stay_identical_across_auto_switches(layout):
+    """Switches between uncompressed, INT8/INT4 (zeropp), 4-bit weight differences with Hadamard gradients
+    (sdp4bit), hierarchical (fair) and back, at iteration boundaries: every module, every iteration, every replica
+    computes with the same weights (digests at the point of use), training stays finite, and each policy ran
+    (the switches are in the summary)."""
+    script = "3:zeropp,5:sdp4bit,7:fair,9:sdp4bit,11:none"
+    results = run_distributed(checks.scripted_switches, 4, LAYOUTS[layout], script, 12, ranks_per_node=2,
+                              timeout_s=600)
+    for rank, r in enumerate(results):
+        rc = r["replica_check"]
+        print(f"\n{layout} rank {rank}: {rc['uses_compared']} uses compared, {rc['mismatches']} mismatches; "
+              f"switches {[(d['iteration'], d['choice']) for d in r['auto']['decisions']]}")
+        assert r["finite"] and rc["uses_compared"] > 0 and rc["mismatches"] == 0, (layout, rank, rc)
+        assert [(d["iteration"], d["choice"]) for d in r["auto"]["decisions"]] == \
+               [(3, "zeropp"), (5, "sdp4bit"), (7, "fair"), (9, "sdp4bit"), (11, "none")]
+    assert all(r["losses"] == results[0]["losses"] for r in results)
+
+
+@pytest.mark.parametrize("slow_rank0", [True, False])
+def test_every_rank_takes_rank0s_decision_when_measurements_differ(slow_rank0):
+    """Each rank's calibration measures other links (3 MB/s on rank 0 and 30 GB/s on the others, or the
+    reverse): all ranks decide the same, the decision is the fastest candidate on rank 0's numbers, and the
+    other ranks' numbers would have decided otherwise (so the test can tell)."""
+    results = run_distributed(checks.skewed_decision, 4, DISTOPT_OVERLAP, 7, slow_rank0, ranks_per_node=2,
+                              timeout_s=600)
+    decisions = [r["auto"]["decisions"] for r in results]
+    assert all(d == decisions[0] for d in decisions[1:]), decisions
+    first = decisions[0][0]
+    assert first["reason"] == "startup calibration" and first["inputs"]["inter_bandwidth_Bps"] == \
+           (3e6 if slow_rank0 else 3e10)
+    assert first["choice"] == min(first["predicted_s"], key=first["predicted_s"].get)
+    chosen = next(p for p in candidates(parse_allow(AutoPolicyConfig().allow), zero_mode="distopt", tp=1, pp=1,
+                                        ranks_per_node=2) if p.name == first["choice"])
+    assert chosen.compresses("dp.grad") == slow_rank0  # 3 MB/s: compression pays; 30 GB/s: it does not
+    assert all(r["finite"] for r in results)
+
+
+def test_startup_calibration_stays_within_its_budget():
+    """A 2 s budget on 2 nodes x 2 ranks: the agreed duration stays within it plus one second (each size's
+    repetitions are sized to its share; the sizes to what the link carries in that share)."""
+    results = run_distributed(checks.calibration_bound, 4, 2.0, ranks_per_node=2, timeout_s=300)
+    for r in results:
+        print(f"\ncalibration {r['calibration_s']:.2f} s: inter {r['inter_bandwidth_Bps'] / 1e6:.1f} MB/s")
+        assert 0 < r["calibration_s"] <= 3.0, r
+        assert r["inter_bandwidth_Bps"] > 0 and r["intra_bandwidth_Bps"] > 0 and set(r["codecs"]) >= {"int8", "int4"}
+    assert all(r["calibration_s"] == results[0]["calibration_s"] for r in results)
+
+
+def test_a_slower_link_is_noticed_and_the_choice_changes():
+    """Startup on a fast link chooses an uncompressed policy; from iteration 9 the uncompressed iterations take
+    2 s longer (a slowed link) and the re-measured link is 300 KB/s: the re-check sees the drift, re-measures and
+    switches to a policy that compresses the gradients, within the re-check interval, replicas identical."""
+    results = run_distributed(checks.link_change, 4, DISTOPT_OVERLAP, 14, 9, ranks_per_node=2, timeout_s=600)
+    decisions = [r["auto"]["decisions"] for r in results]
+    assert all(d == decisions[0] for d in decisions[1:])
+    first, *later = decisions[0]
+    print("\n" + "\n".join(f"{d['iteration']}: {d['reason']} -> {d['choice']}" for d in decisions[0]))
+    assert first["choice"] in ("none", "fair"), first
+    switch = next(d for d in later if "drifted" in d["reason"])
+    assert 9 < switch["iteration"] <= 9 + 4 + 2, switch  # within the next re-check window
+    chosen = next(p for p in candidates(parse_allow("lossy-grad,lossy-param"), zero_mode="distopt", tp=1, pp=1,
+                                        ranks_per_node=2) if p.name == switch["choice"])
+    assert chosen.compresses("dp.grad"), switch
+    for r in results:
+        assert r["finite"] and r["replica_check"]["mismatches"] == 0 and r["replica_check"]["uses_compared"] > 0
+
+
+def test_the_auto_cluster_yaml_loads_and_predicts(tmp_path):
+    """The startup calibration's cluster (written the way tools/calibrate.py writes its own) loads back with
+    load_cluster and predicts the job's workload."""
+    from megatron_zpp.perfmodel import load_cluster
+    from megatron_zpp.training.auto_policy import Measured, cluster_fields, workload_from_args
+    from megatron_zpp.training.arguments import build_parser, validate_args
+    from megatron_zpp.training.calibration import Fit, write_cluster
+
+    args = validate_args(build_parser().parse_args(checks.SMALL + DISTOPT_OVERLAP), 4)
+    workload = workload_from_args(args, vocab=257, world=4)
+    fit = Fit(alpha=1e-4, bandwidth=1e8, intercept=1e-4, max_rel_residual=0.01)
+    m = Measured(intra=fit, inter=fit, codecs={"int8": {"quantize": 1e9, "dequantize": 2e9},
+                                              "int4": {"quantize": 1e9, "dequantize": 2e9}},
+                 reduce_throughput=5e9, optimizer_params_per_s=1e8, optimizer_fixed_s=1e-3, seconds=1.0)
+    fields = cluster_fields(m, workload, nodes=2, ranks_per_node=2, backend="gloo", fwd_bwd_s=0.05, source="test")
+    loaded = write_cluster(tmp_path / "auto.yaml", fields, writer="test")
+    assert loaded == load_cluster(tmp_path / "auto.yaml")
+    exact = from_dict(ClusterSpec, fields, "fields")
+    for name in ("compute_flops", "inter_bandwidth", "intra_alpha", "reduce_throughput", "optimizer_params_per_s"):
+        assert getattr(loaded, name) == pytest.approx(getattr(exact, name), rel=1e-4), name  # 5 digits in the YAML
+    assert loaded.measured_iterations == exact.measured_iterations and loaded.codec_throughput == exact.codec_throughput
+    # the measured micro-batch is the model's compute for this exact workload
+    p = predict(loaded, workload, "megatron")
+    assert p.step_time_s >= 0.05 * workload.layout.microbatches
