@@ -67,38 +67,35 @@ def calibration_bound(budget_s: float) -> dict:
 
 
 def link_change(parallel: list[str], iterations: int, change_at: int) -> dict:
-    """Auto's re-check on a link that slows down at ``change_at``: from then on every iteration's measured time
-    grows by what a 300 KB/s link would add (the re-measured link is that slow), the drift triggers a re-measure
-    and the re-ranked choice is taken."""
+    """Auto's re-check on a link that slows down at ``change_at``: the startup calibration finds 30 GB/s links (so
+    the first choice is uncompressed); from ``change_at`` on, every uncompressed iteration's measured time grows by
+    2 s and a re-measure of the link finds 300 KB/s. The drift triggers the re-measure and the re-ranked choice is
+    taken."""
     import dataclasses
 
     import megatron_zpp.training.auto_policy as auto
     from megatron_zpp.training.calibration import Probe
 
-    original_end, original_fit = auto.AutoPolicy.end, Probe.ring_fit
+    original_end, original_ladder, original_calibrate = auto.AutoPolicy.end, Probe.ring_ladder, auto.calibrate
+    slowed = [False]
 
     def end(self, iteration, seconds):
-        if iteration >= change_at and self.current in ("none", "fair"):
-            seconds += 2.0  # an uncompressed iteration on the slowed link
+        if iteration >= change_at:
+            slowed[0] = True
+            if self.current in ("none", "fair"):
+                seconds += 2.0  # an uncompressed iteration on the slowed link
         return original_end(self, iteration, seconds)
 
-    def ring_fit(self, sizes, budget_s, min_fit_bytes=0):
-        fit = original_fit(self, sizes, budget_s, min_fit_bytes)
-        return dataclasses.replace(fit, bandwidth=3e5)  # the re-measure finds the slow link
+    def ring_ladder(self, share_s, max_bytes, group=None, peers=0):
+        fit = original_ladder(self, share_s, max_bytes, group, peers)
+        return dataclasses.replace(fit, bandwidth=3e5) if slowed[0] else fit
 
-    auto.AutoPolicy.end, Probe.ring_fit = end, ring_fit
-    original_calibrate = auto.calibrate
-
-    def fast(probe, budget_s, **kwargs):  # startup: a fast link, so the first choice is uncompressed
-        Probe.ring_fit = original_fit
-        try:
-            m = original_calibrate(probe, budget_s, **kwargs)
-        finally:
-            Probe.ring_fit = ring_fit
+    def fast(probe, budget_s, **kwargs):  # startup: fast links, so the first choice is uncompressed
+        m = original_calibrate(probe, budget_s, **kwargs)
         return dataclasses.replace(m, inter=dataclasses.replace(m.inter, bandwidth=3e10, alpha=1e-5),
                                    intra=dataclasses.replace(m.intra, bandwidth=3e10, alpha=1e-5))
 
-    auto.calibrate = fast
+    auto.AutoPolicy.end, Probe.ring_ladder, auto.calibrate = end, ring_ladder, fast
     try:
         run = pretrain(SMALL + parallel + ["--train-iters", str(iterations), "--zpp-policy", "auto",
                                            "--zpp-auto-calibration-s", "1", "--zpp-auto-recheck-interval", "4",
@@ -106,5 +103,5 @@ def link_change(parallel: list[str], iterations: int, change_at: int) -> dict:
                                            "--zpp-auto-allow", "lossy-grad,lossy-param", "--check-replica-weights"],
                        log=_quiet)
     finally:
-        auto.AutoPolicy.end, Probe.ring_fit, auto.calibrate = original_end, original_fit, original_calibrate
+        auto.AutoPolicy.end, Probe.ring_ladder, auto.calibrate = original_end, original_ladder, original_calibrate
     return {"auto": run["auto_policy"], "finite": run["finite"], "replica_check": run["replica_check"]}

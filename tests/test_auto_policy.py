@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import auto_checks as checks
+from megatron_zpp.compression import get_codec
 from megatron_zpp.perfmodel import from_dict, predict
 from megatron_zpp.perfmodel.specs import ClusterSpec
 from megatron_zpp.policy import ConfigError, ZppConfig, resolve_policy
@@ -18,12 +19,18 @@ LAYOUTS = {
     "distopt": ["--use-distributed-optimizer"],
     "distopt-overlap-both": DISTOPT_OVERLAP,
     "fsdp-hpz": ["--use-megatron-fsdp", "--bf16", "--overlap-grad-reduce", "--overlap-param-gather"],
+    "tp2xdp2": ["--tensor-model-parallel-size", "2"] + DISTOPT_OVERLAP,
+    "pp2xdp2": ["--pipeline-model-parallel-size", "2"] + DISTOPT_OVERLAP,
 }
+SCRIPTS = {  # with TP / PP, hybrid turns their lossless MPC on (the codec auto installs by default) and off again
+    "tp2xdp2": ("3:hybrid,5:zeropp,7:hybrid,9:none", [(3, "hybrid"), (5, "zeropp"), (7, "hybrid"), (9, "none")]),
+    "pp2xdp2": ("3:hybrid,5:zeropp,7:hybrid,9:none", [(3, "hybrid"), (5, "zeropp"), (7, "hybrid"), (9, "none")]),
+}
+DP_SCRIPT = ("3:zeropp,5:sdp4bit,7:fair,9:sdp4bit,11:none",
+             [(3, "zeropp"), (5, "sdp4bit"), (7, "fair"), (9, "sdp4bit"), (11, "none")])
 
 
 def _lossy(spec: str) -> bool:
-    from megatron_zpp.compression import get_codec
-
     return spec != "none" and not get_codec(spec).lossless
 
 
@@ -32,7 +39,8 @@ def test_allow_limits_the_candidates_and_bad_values_are_named():
     names = [p.name for p in every]
     assert {"none", "fair", "zeropp", "sdp4bit", "qgz", "qwd"} <= set(names) and len(names) == len(set(names))
     # the default allows lossless tp / pp only: MPC, never a lossy model-parallel codec
-    assert {p.codec("tp") for p in every} == {"none", "mpc"} and {p.codec("pp") for p in every} == {"none", "mpc"}
+    mpc = get_codec("mpc").spec
+    assert {p.codec("tp") for p in every} == {"none", mpc} and {p.codec("pp") for p in every} == {"none", mpc}
     # presets are what their names say
     for preset in ("zeropp", "sdp4bit", "fair"):
         mine = next(p for p in every if p.name == preset)
@@ -74,13 +82,13 @@ def test_auto_flags_are_checked_before_training():
 
 
 @pytest.mark.parametrize("layout", [pytest.param("distopt", marks=pytest.mark.slow), "distopt-overlap-both",
-                                    "fsdp-hpz"])
+                                    "fsdp-hpz", "tp2xdp2", pytest.param("pp2xdp2", marks=pytest.mark.slow)])
 def test_replicas_stay_identical_across_auto_switches(layout):
     """Switches between uncompressed, INT8/INT4 (zeropp), 4-bit weight differences with Hadamard gradients
     (sdp4bit), hierarchical (fair) and back, at iteration boundaries: every module, every iteration, every replica
     computes with the same weights (digests at the point of use), training stays finite, and each policy ran
     (the switches are in the summary)."""
-    script = "3:zeropp,5:sdp4bit,7:fair,9:sdp4bit,11:none"
+    script, expected = SCRIPTS.get(layout, DP_SCRIPT)
     results = run_distributed(checks.scripted_switches, 4, LAYOUTS[layout], script, 12, ranks_per_node=2,
                               timeout_s=600)
     for rank, r in enumerate(results):
@@ -88,9 +96,17 @@ def test_replicas_stay_identical_across_auto_switches(layout):
         print(f"\n{layout} rank {rank}: {rc['uses_compared']} uses compared, {rc['mismatches']} mismatches; "
               f"switches {[(d['iteration'], d['choice']) for d in r['auto']['decisions']]}")
         assert r["finite"] and rc["uses_compared"] > 0 and rc["mismatches"] == 0, (layout, rank, rc)
-        assert [(d["iteration"], d["choice"]) for d in r["auto"]["decisions"]] == \
-               [(3, "zeropp"), (5, "sdp4bit"), (7, "fair"), (9, "sdp4bit"), (11, "none")]
-    assert all(r["losses"] == results[0]["losses"] for r in results)
+        assert [(d["iteration"], d["choice"]) for d in r["auto"]["decisions"]] == expected
+    if "tp" not in layout and "pp" not in layout:
+        assert all(r["losses"] == results[0]["losses"] for r in results)
+    if layout in SCRIPTS:  # the model-parallel codec ran while hybrid did, and only then
+        dim = "tp" if layout.startswith("tp") else "pp"
+        sent = [r["traffic"].get(dim, {}) for r in results]
+        print(f"{dim} bytes sent / uncompressed per rank: "
+              + ", ".join(f"{t.get('intra_bytes', 0) + t.get('inter_bytes', 0)} / "
+                          f"{t.get('uncompressed_intra_bytes', 0) + t.get('uncompressed_inter_bytes', 0)}" for t in sent))
+        assert any(t.get("intra_bytes", 0) + t.get("inter_bytes", 0)
+                   < t.get("uncompressed_intra_bytes", 0) + t.get("uncompressed_inter_bytes", 0) for t in sent), sent
 
 
 @pytest.mark.parametrize("slow_rank0", [True, False])
@@ -102,7 +118,8 @@ def test_every_rank_takes_rank0s_decision_when_measurements_differ(slow_rank0):
                               timeout_s=600)
     decisions = [r["auto"]["decisions"] for r in results]
     assert all(d == decisions[0] for d in decisions[1:]), decisions
-    first = decisions[0][0]
+    warmup, first = decisions[0][:2]
+    assert warmup["reason"].startswith("warm-up") and warmup["iteration"] == 1
     assert first["reason"] == "startup calibration" and first["inputs"]["inter_bandwidth_Bps"] == \
            (3e6 if slow_rank0 else 3e10)
     assert first["choice"] == min(first["predicted_s"], key=first["predicted_s"].get)
@@ -130,7 +147,7 @@ def test_a_slower_link_is_noticed_and_the_choice_changes():
     results = run_distributed(checks.link_change, 4, DISTOPT_OVERLAP, 14, 9, ranks_per_node=2, timeout_s=600)
     decisions = [r["auto"]["decisions"] for r in results]
     assert all(d == decisions[0] for d in decisions[1:])
-    first, *later = decisions[0]
+    _, first, *later = decisions[0]
     print("\n" + "\n".join(f"{d['iteration']}: {d['reason']} -> {d['choice']}" for d in decisions[0]))
     assert first["choice"] in ("none", "fair"), first
     switch = next(d for d in later if "drifted" in d["reason"])

@@ -61,6 +61,8 @@ COMPONENTS = {
     # SDP4Bit's halves on zeropp (issue 23): 4-bit weight differences alone, the two-level Hadamard gradients alone
     "qwd": ["--zpp-policy", "zeropp", "--zpp-dp-param", "int4:block=2048", "--zpp-dp-param-difference"],
     "sdp4bit-grads": ["--zpp-policy", "sdp4bit", "--zpp-dp-param", "int8:block=256", "--no-zpp-dp-param-difference"],
+    # issue 24: the measured choice (its calibration and decisions are charged to its iterations)
+    "auto": ["--zpp-policy", "auto"],
 }
 DEFAULT_RATES = "25mbit,50mbit,100mbit,250mbit,1gbit,unshaped"
 FIELDS = ["path", "rate", "rate_bits_per_s", "policy", "iterations", "seconds_per_iteration", "tokens_per_s",
@@ -128,7 +130,7 @@ def predict_row(cluster_yaml: Path | None, path: str, rate_bps: float | None, po
 
 def launch(cluster, path: str, rate: str, policies: list[str], *, iters: int, log_dir: Path,
            log_interval: int | None = None, timeout: float = 3600, python: str = sys.executable,
-           verbose: bool = False, extra_flags: dict[str, list[str]] | None = None) -> tuple:
+           verbose: bool = False, extra_flags: dict[str, list[str]] | None = None, on_line=None) -> tuple:
     """One ``torchrun`` launch on ``cluster`` at inter-node ``rate`` that trains each policy in turn.
 
     Returns ``(result, summaries)``: netemu's ``RunResult`` and ``{policy: run summary}`` for the
@@ -150,7 +152,7 @@ def launch(cluster, path: str, rate: str, policies: list[str], *, iters: int, lo
         script += ["--worker-extra", json.dumps(extra_flags)]
     log_path = Path(log_dir) / f"log-{path}-{rate}.txt"
     result = cluster.run_torchrun(script, timeout=timeout, master_port=free_port(), python=python, echo=verbose,
-                                  log_path=log_path)
+                                  log_path=log_path, on_line=on_line)
     if result.failure:
         print(f"FAILED ({result.failure}); see {log_path}", flush=True)
     summaries = {name: json.loads((work / f"{name}.json").read_text()) for name in policies

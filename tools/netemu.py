@@ -295,11 +295,14 @@ class EmulatedCluster:
 
     def run_torchrun(self, script: list[str], *, timeout: float = 1800, master_port: int = 29500,
                      python: str = sys.executable, env: dict[str, str] | None = None, echo: bool = True,
-                     log_path: Path | None = None) -> RunResult:
+                     log_path: Path | None = None, on_line=None) -> RunResult:
         """Run ``python -m torch.distributed.run ... script`` on every node; wait for all of them.
 
         If one node fails or the time runs out, the others are killed (they would wait on the
         failed peer forever). Returns node 0's output and the link counters over the run.
+
+        ``on_line(node, line)`` is called with every output line as it arrives (tools/auto_evidence.py changes the
+        link's rate at an iteration).
         """
         before = self.counters()
         procs = [subprocess.Popen(self.torchrun_command(i, script, master_port, python, env), stdout=subprocess.PIPE,
@@ -311,6 +314,8 @@ class EmulatedCluster:
         def pump(i: int) -> None:
             for line in procs[i].stdout:
                 outputs[i].append(line)
+                if on_line is not None:
+                    on_line(i, line)
                 if log:
                     log.write(f"[node {i}] {line}")
                 if echo and i == 0:

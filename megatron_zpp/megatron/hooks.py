@@ -64,6 +64,8 @@ class MegatronHooks(DdpRouting, FsdpRouting):
                  model_parallel_codecs: dict[str, str] | None = None) -> None:
         self.policy = policy
         self.model_parallel_codecs = dict(model_parallel_codecs or {d: policy.codec(d) for d in ("tp", "pp")})
+        # --zpp-policy auto: the running policy changes (switch_policy), a checkpoint may hold another one's state
+        self.policy_switches = policy.name == "auto"
         self.iteration_source = iteration_source
         self._iteration: int | None = None
         self._policy_agreed = False
@@ -143,16 +145,22 @@ class MegatronHooks(DdpRouting, FsdpRouting):
         collective must agree on its codec); the divergence guard's suspension stays as it is, applied to the new
         policy's lossy dimensions.
 
-        What the old policy left behind is dropped, so every replica starts the new one from the same weights: the
-        error-feedback residuals (they belong to the old codec's error), qWD's held shards (the next weight gather of
-        every bucket is in full precision, so a later switch back to qWD starts exact) and hpZ's secondary copies
-        (rebuilt at the next forward gather). The owners' exact fp32 shards kept at a lossy gather stay: the
-        optimizer's next step still starts from them, whatever the new codec."""
+        Only what the change makes stale is dropped, so a switch that keeps the weight scheme costs no extra
+        traffic. A new weight scheme (dp.param codec, qWD, hpZ size) drops qWD's held shards and hpZ's secondary
+        copies and frees their memory (the next gather of every bucket is in full precision, so a later switch back
+        to qWD starts exact, and every replica starts from the same weights); a new dp.grad codec zeroes the
+        error-feedback residuals (they hold the old codec's error), a policy without error feedback drops them.
+        The owners' exact fp32 shards kept at a lossy gather stay: the optimizer's next step still starts from them,
+        whatever the new codec. A Megatron-FSDP gather prefetched by the last step keeps the codec it was issued
+        with (decoded the same on every replica)."""
         if not self.can_switch_to(policy):
             raise ValueError(f"cannot switch to policy {policy.name!r}: tp {policy.codec('tp')!r} / pp "
                              f"{policy.codec('pp')!r} must be none or the installed {self.model_parallel_codecs}, and "
                              f"ranks per node {policy.ranks_per_node} must be {self.ranks_per_node}")
         check_policy_devices(policy, self.device_type)
+        old = self.policy
+        weights_change = ((old.codec("dp.param"), old.param_difference, old.hpz_size)
+                          != (policy.codec("dp.param"), policy.param_difference, policy.hpz_size))
         self.policy = policy
         self._lossy_specs = frozenset(spec for spec in policy.codecs.values()
                                       if spec != "none" and not get_codec(spec).lossless)
@@ -162,9 +170,14 @@ class MegatronHooks(DdpRouting, FsdpRouting):
         mp = getattr(self, "_model_parallel", None)
         if mp is not None:
             mp.off = {d for d in ("tp", "pp") if policy.codec(d) == "none"}
-        self.reset_error_feedback()
-        self.resync_weights()
-        self.invalidate_secondary()
+        if not policy.error_feedback:
+            self._residuals = {}
+            self._loaded_residuals = {}
+        elif (old.codec("dp.grad"), old.dp_grad_intra) != (policy.codec("dp.grad"), policy.dp_grad_intra):
+            self.reset_error_feedback()
+        if weights_change:
+            self._held_shards.clear()  # in-flight gathers keep theirs alive until they complete
+            self._hpz_shards.clear()
 
     def _unless_suspended(self, spec: str) -> str:
         if self.lossy_suspended and spec in self._lossy_specs:
@@ -329,7 +342,7 @@ class MegatronHooks(DdpRouting, FsdpRouting):
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s residuals; each attaches to the bucket of its name when it is reduced."""
         residuals = dict(state.get("error_feedback_residuals", {}))
-        if residuals and not self.policy.error_feedback:
+        if residuals and not (self.policy.error_feedback or self.policy_switches):
             raise ValueError("the checkpoint holds error-feedback residuals but this run's policy has "
                              "error_feedback off; resume with --zpp-dp-grad-error-feedback or from another checkpoint")
         self._residuals = {}

@@ -182,17 +182,30 @@ class ModelParallelHooks:
         hooks = self
 
         def codec() -> str:  # read at each call: the divergence guard may have suspended a lossy codec
-            return "none" if (hooks.suspended and hooks._tp_lossy) or "tp" in hooks.off else hooks.tp_codec
+            return "none" if hooks.suspended and hooks._tp_lossy else hooks.tp_codec
 
-        def all_gather(output, input, group=None, async_op=False):
-            return quantized_all_gather(output, input.contiguous(), hooks._topology(group), codec=codec(),
-                                        async_op=async_op, tag=TP_TAG)
+        original_reduce = mappings._reduce
 
-        def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-            return qgz_reduce_scatter(output, input.contiguous(), hooks._topology(group), codec=codec(),
-                                      op="sum" if op == dist.ReduceOp.SUM else "mean", async_op=async_op, tag=TP_TAG)
+        def patched(module):
+            original_ag, original_rs = module.dist_all_gather_func, module.dist_reduce_scatter_func
+
+            def all_gather(output, input, group=None, async_op=False):
+                if "tp" in hooks.off:  # installed for --zpp-policy auto, not chosen: Megatron's own call
+                    return original_ag(output, input, group=group, async_op=async_op)
+                return quantized_all_gather(output, input.contiguous(), hooks._topology(group), codec=codec(),
+                                            async_op=async_op, tag=TP_TAG)
+
+            def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+                if "tp" in hooks.off:
+                    return original_rs(output, input, op=op, group=group, async_op=async_op)
+                return qgz_reduce_scatter(output, input.contiguous(), hooks._topology(group), codec=codec(),
+                                          op="sum" if op == dist.ReduceOp.SUM else "mean", async_op=async_op,
+                                          tag=TP_TAG)
+            return all_gather, reduce_scatter
 
         def reduce(input_, group):  # mappings._reduce: all-reduce in the TP region
+            if "tp" in hooks.off:
+                return original_reduce(input_, group)
             if group.size() == 1:
                 return input_
             out = input_.contiguous()
@@ -200,6 +213,7 @@ class ModelParallelHooks:
             return out
 
         for module in (mappings, layers):
+            all_gather, reduce_scatter = patched(module)
             self._patch(module, "dist_all_gather_func", all_gather)
             self._patch(module, "dist_reduce_scatter_func", reduce_scatter)
         self._patch(mappings, "_reduce", reduce)
@@ -224,6 +238,8 @@ class ModelParallelHooks:
                 dist.all_reduce = original
 
         def backward(ctx, *grads):
+            if "tp" in hooks.off:
+                return original_backward(ctx, *grads)
             with route_tp_all_reduce():
                 return original_backward(ctx, *grads)
 

@@ -30,7 +30,8 @@ class AutoPolicyConfig:
     calibration_s: float = 8.0
     """Seconds the startup calibration may take, all ranks together (network fits, codec kernels, optimizer)."""
     warmup_iters: int = 4
-    """Iterations trained with 'none' before the choice; all but the first are its measured compute."""
+    """Iterations trained before the choice, with the provisional pick (measured links, a matmul's rate as
+    compute); all but the first are the measured compute."""
     recheck_interval: int = 20
     """Every this many iterations compare the measured step time with the prediction (0: never re-check)."""
     recheck_tolerance: float = 0.2
@@ -151,8 +152,10 @@ def candidates(allow: frozenset[str], *, zero_mode: str, tp: int, pp: int, ranks
 def model_parallel_codecs(allow: frozenset[str]) -> dict[str, str]:
     """The tensor- / pipeline-parallel codec auto may switch on (the hooks install it, off until chosen): lossless
     MPC where ``lossless-tp`` / ``lossless-pp`` is allowed, else high-rate ZFP where the lossy one is, else none."""
-    return {dim: LOSSLESS_MP if f"lossless-{dim}" in allow else LOSSY_MP if f"lossy-{dim}" in allow else "none"
-            for dim in ("tp", "pp")}
+    from megatron_zpp.compression import get_codec
+
+    return {dim: get_codec(LOSSLESS_MP).spec if f"lossless-{dim}" in allow else get_codec(LOSSY_MP).spec
+            if f"lossy-{dim}" in allow else "none" for dim in ("tp", "pp")}
 
 
 def _name(grad: str, param: str, route: str, tp: str, pp: str) -> str:

@@ -8,9 +8,11 @@ boundary, never inside a step):
    up to the job's bucket), the codec kernels on the job's device and dtype, the fp32 reduction and an Adam step
    (``calibration.Probe``, the code ``tools/calibrate.py`` runs). Rank 0 writes them as a cluster YAML the advisor
    reads (``--zpp-auto-cluster-yaml``).
-2. **Warm-up** (``--zpp-auto-warmup-iters``): the job trains with ``none`` (Megatron's own collectives); each
-   iteration's compute, its time less exposed communication and codec time (``comm_timers``), is the model's
-   measured compute (the slowest rank's).
+2. **Warm-up** (``--zpp-auto-warmup-iters``): the job trains with the candidate the model ranks first on the
+   measured links with a matmul's FLOP rate as compute (a provisional estimate: an uncompressed warm-up on a slow
+   link would cost more than the calibration); each iteration's compute, its time less exposed communication and
+   codec time (``comm_timers``; on CUDA, less the model's prediction of them), is the model's measured compute
+   (the slowest rank's).
 3. **Choice**: rank 0 ranks every candidate the user allows (``--zpp-auto-allow``: per-dimension combinations of
    the presets' codecs) with ``perfmodel.predict`` on the measured numbers and broadcasts its decision; every rank
    switches at the same iteration boundary, through :meth:`MegatronHooks.switch_policy`, confirmed by the same
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import statistics
 import tempfile
 import time
@@ -83,44 +86,58 @@ class Measured:
     optimizer_params_per_s: float
     optimizer_fixed_s: float
     seconds: float
+    matmul_flops: float = 0.0
+    """FLOP/s of a square matmul in the job's dtype (the compute estimate of the warm-up's provisional choice)."""
 
     def summary(self) -> dict:
         return {"inter_alpha_s": self.inter.alpha, "inter_bandwidth_Bps": self.inter.bandwidth,
                 "intra_alpha_s": self.intra.alpha if self.intra else None,
                 "intra_bandwidth_Bps": self.intra.bandwidth if self.intra else None,
-                "codecs": {k: v["quantize"] for k, v in self.codecs.items()}, "calibration_s": self.seconds}
+                "codecs": {k: v["quantize"] for k, v in self.codecs.items()}, "matmul_flops": self.matmul_flops,
+                "calibration_s": self.seconds}
 
 
 def calibrate(probe, budget_s: float, *, max_bytes: int, dtype: torch.dtype, optimizer_params: int) -> Measured:
     """The startup calibration on every rank (``probe``: a ``calibration.Probe`` on the job's ranks), bounded by
-    ``budget_s``: each fit's repetitions are sized to its share of the budget (agreed across ranks)."""
+    ``budget_s``: the inter-node ring step gets 40% of it and the intra-node all-to-all 25%, each a ladder of sizes
+    that stops where the link's calls get long (``Probe.ring_ladder``: a slow link is fitted on small messages
+    within its share, a fast one on large ones); the kernels (the blockwise ones and the codec-interface ones:
+    ZFP, MPC, zstd), the fp32 reduction, Adam and a matmul run on fixed small sizes in the rest. Every count and
+    size is agreed across ranks, so the collectives match."""
     t0 = time.perf_counter()
-    top = max(64 << 10, min(max_bytes, 8 << 20))
-    sizes = sorted({max(16 << 10, top // 64), max(32 << 10, top // 8), top})
-    per_size = budget_s * 0.6 / (2 * len(sizes))
-    inter = probe.ring_fit(sizes, per_size)
-    intra = probe.a2a_fit(probe.intra, probe.g - 1, 1, sizes, per_size) if probe.intra is not None else None
-    reps = 3 if budget_s < 4 else 5
-    codecs = probe.codecs(dtype=dtype, numel=1 << 18, reps=reps, interface=False)
+    inter = probe.ring_ladder(0.4 * budget_s, max_bytes)
+    intra = probe.ring_ladder(0.25 * budget_s, max_bytes, group=probe.intra, peers=probe.g - 1) \
+        if probe.intra is not None else None
+    reps = 3 if budget_s < 10 else 5
+    codecs = probe.codecs(dtype=dtype, numel=1 << 17, reps=reps, interface=True)
     reduce = probe.reduce_throughput()
-    params_per_s, fixed = probe.optimizer(max(1 << 14, min(optimizer_params, 1 << 22)), reps=reps)
+    params_per_s, fixed = probe.optimizer(max(1 << 14, min(optimizer_params, 1 << 20)), reps=reps)
+    n = 2048 if probe.device.type == "cuda" else 512  # large enough not to be launch-bound on a GPU
+    a = torch.randn(n, n, device=probe.device).to(dtype)
+    mm = probe.local_median(lambda: torch.mm(a, a), reps=reps)
+    matmul_flops = probe.mean_over_ranks(2 * n ** 3 / mm)
     seconds = probe.agree_max(time.perf_counter() - t0)
     return Measured(intra=intra, inter=inter, codecs=codecs, reduce_throughput=reduce,
-                    optimizer_params_per_s=params_per_s, optimizer_fixed_s=fixed, seconds=seconds)
+                    optimizer_params_per_s=params_per_s, optimizer_fixed_s=fixed, seconds=seconds,
+                    matmul_flops=matmul_flops)
 
 
-def cluster_fields(m: Measured, workload, *, nodes: int, ranks_per_node: int, backend: str, fwd_bwd_s: float,
-                   source: str) -> dict:
-    """``ClusterSpec`` fields from the calibration and the measured compute of one micro-batch."""
+def cluster_fields(m: Measured, workload, *, nodes: int, ranks_per_node: int, backend: str,
+                   fwd_bwd_s: float | None, source: str) -> dict:
+    """``ClusterSpec`` fields from the calibration and the measured compute of one micro-batch (None: not measured
+    yet; the compute is then the matmul FLOP rate's, a provisional estimate)."""
     from megatron_zpp.perfmodel import iteration_flops
 
     intra = m.intra or m.inter
     model, lay = workload.model, workload.layout
     world = nodes * ranks_per_node
-    compute_flops = iteration_flops(workload) / world / max(fwd_bwd_s * lay.microbatches, 1e-9)
-    iteration = ([{"layers": model.layers, "hidden": model.hidden, "seq_length": model.seq_length,
-                   "micro_batch": lay.micro_batch, "vocab": model.vocab, "fwd_bwd_s": fwd_bwd_s}]
-                 if lay.tp == 1 and lay.pp == 1 else [])
+    if fwd_bwd_s is None:
+        compute_flops, iteration = max(m.matmul_flops, 1.0), []
+    else:
+        compute_flops = iteration_flops(workload) / world / max(fwd_bwd_s * lay.microbatches, 1e-9)
+        iteration = ([{"layers": model.layers, "hidden": model.hidden, "seq_length": model.seq_length,
+                       "micro_batch": lay.micro_batch, "vocab": model.vocab, "fwd_bwd_s": fwd_bwd_s}]
+                     if lay.tp == 1 and lay.pp == 1 else [])
     return {"name": "zpp-auto", "source": source, "nodes": nodes, "ranks_per_node": ranks_per_node,
             "backend": backend, "intra_alpha": intra.alpha, "intra_bandwidth": intra.bandwidth,
             "inter_alpha": m.inter.alpha, "inter_bandwidth": m.inter.bandwidth, "inter_link_efficiency": 1.0,
@@ -144,11 +161,20 @@ def rank_candidates(cluster, workload, policies: list) -> list[tuple[str, float]
     return [(name, s) for s, _, name in sorted(out)]
 
 
-def decide_on_rank0(rank0_view, device) -> object:
-    """Rank 0's ``rank0_view`` on every rank (one broadcast): the decision is made once and taken by all."""
-    box = [rank0_view if dist.get_rank() == 0 else None]
+def decide_on_rank0(decide, device) -> object:
+    """``decide()`` run on rank 0, its result on every rank (one broadcast): the decision is made once and taken by
+    all. An exception on rank 0 travels in the broadcast and is raised on every rank (the others would otherwise
+    wait in the broadcast for a rank that has left)."""
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = {"value": decide()}
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            box[0] = {"error": f"{type(e).__name__}: {e}"}
     dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
-    return box[0]
+    if "error" in box[0]:
+        raise RuntimeError(f"--zpp-policy auto: rank 0's decision failed: {box[0]['error']}")
+    return box[0]["value"]
 
 
 # ---------------------------------------------------------------------------------------------- the controller
@@ -161,6 +187,7 @@ class AutoPolicy:
     def __init__(self, config: AutoPolicyConfig, hooks, args, *, device: torch.device, vocab: int, agreement,
                  log=print, wandb_log=None) -> None:
         from megatron_zpp.comm import Topology
+        from megatron_zpp.comm.topology import ranks_per_node_from_env
 
         self.config = config
         self.hooks = hooks
@@ -172,7 +199,7 @@ class AutoPolicy:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.workload = workload_from_args(args, vocab, self.world)
         self.zero_mode = self.workload.layout.zero_mode
-        rpn = hooks.ranks_per_node or self.world
+        rpn = hooks.ranks_per_node or ranks_per_node_from_env() or self.world  # as the hooks' own topologies
         topo = Topology(None, ranks_per_node=rpn)  # the world's node split, as the policy's collectives see it
         self.ranks_per_node, self.nodes = topo.node_size, topo.num_nodes
         self._intra_group = topo.intra_group
@@ -183,6 +210,8 @@ class AutoPolicy:
         self.candidates = [p for p in self.candidates if hooks.can_switch_to(p) and _runs_here(p, args)]
         self.by_name = {p.name: p for p in self.candidates}
         self.script = parse_script(config.script)
+        # One bucket's share per rank, at most 8 MiB: the largest message the calibration's ladders try.
+        self._max_bytes = min(8 << 20, (args.ddp_bucket_size or 40_000_000) * 4 // max(1, self.world))
         self.current = START
         self.decisions: list[dict] = []
         self.measured_inputs: Measured | None = None
@@ -195,6 +224,8 @@ class AutoPolicy:
         self._plan: list[tuple[int, str]] = []  # exploration: (iteration, "try NAME" | "judge CHOICE RUNNER")
         self._next_check: int | None = None
         self._decide_at = config.warmup_iters + 1
+        self.overhead_s = 0.0  # calibration, decisions and re-measures: host time outside the timed iterations
+        self.suspended = lambda: False  # the trainer: whether the divergence guard runs its fallback
 
     # ------------------------------------------------------------------ startup
     def start(self, first_iteration: int = 1) -> None:
@@ -204,14 +235,20 @@ class AutoPolicy:
         self._switched_at = first_iteration
         if self.script:
             return
+        t0 = time.perf_counter()
+        try:
+            self._start(first_iteration)
+        finally:
+            self.overhead_s += time.perf_counter() - t0
+
+    def _start(self, first_iteration: int) -> None:
         from megatron_zpp.training.calibration import Probe
 
         probe = Probe(self.device, self.ranks_per_node, self._intra_group)
         dtype = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else torch.float32
-        bucket = (self.args.ddp_bucket_size or 40_000_000) * 4
         shard_params = max(1, _total_params(self.workload) // max(1, self.workload.layout.dp * self.workload.layout.tp
                                                                    * self.workload.layout.pp))
-        self.measured_inputs = calibrate(probe, self.config.calibration_s, max_bytes=bucket // max(1, self.world),
+        self.measured_inputs = calibrate(probe, self.config.calibration_s, max_bytes=self._max_bytes,
                                          dtype=dtype, optimizer_params=shard_params)
         if self.rank == 0:
             m = self.measured_inputs.summary()
@@ -220,12 +257,50 @@ class AutoPolicy:
                      f"{m['inter_alpha_s'] * 1e3:.2f} ms; intra-node "
                      + (f"{m['intra_bandwidth_Bps'] / 1e6:.1f} MB/s per rank" if m["intra_bandwidth_Bps"] else "none")
                      + "; codecs " + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in m["codecs"].items()))
+        # The warm-up runs the choice on the measured links with the matmul rate as compute (a provisional
+        # estimate): on a slow link, warming up uncompressed would cost more than the whole calibration.
+        from megatron_zpp.perfmodel import from_dict
+        from megatron_zpp.perfmodel.specs import ClusterSpec
+
+        def provisional():
+            fields = cluster_fields(self.measured_inputs, self.workload, nodes=self.nodes,
+                                    ranks_per_node=self.ranks_per_node, backend=dist.get_backend(), fwd_bwd_s=None,
+                                    source="--zpp-policy auto, provisional")
+            return fields, rank_candidates(from_dict(ClusterSpec, fields, "auto calibration"), self.workload,
+                                           self.candidates), self.measured_inputs.summary()
+
+        fields, ranked, inputs = decide_on_rank0(provisional, self.device)  # rank 0's measurements, on every rank
+        self._provisional = from_dict(ClusterSpec, fields, "auto calibration")
+        self.decisions.append({"iteration": first_iteration, "reason": "warm-up on the provisional estimate",
+                               "inputs": inputs, "predicted_s": dict(ranked),
+                               "choice": ranked[0][0], "previous": self.current, "runner_up": None, "margin": None,
+                               "measured_s": None})
+        if self.rank == 0:
+            self.log(f"[zpp auto] warm-up ({self.config.warmup_iters} iterations) with {ranked[0][0]}, the choice "
+                     "on the measured links with the matmul rate as compute")
+        self._switch(first_iteration, ranked[0][0], "warm-up")
 
     # ------------------------------------------------------------------ per iteration
     # Every branch below is taken on every rank at the same iteration: the schedule (_decide_at, _plan,
     # _next_check) changes only from values every rank holds (the config, broadcasts, all-reduced times).
     def begin(self, iteration: int) -> None:
-        """Before 1-based ``iteration``, before any of its collectives: decide, explore or re-check when due."""
+        """Before 1-based ``iteration``, before any of its collectives: decide, explore or re-check when due (its
+        time adds to ``overhead_s``)."""
+        t0 = time.perf_counter()
+        try:
+            self._begin(iteration)
+        finally:
+            self.overhead_s += time.perf_counter() - t0
+
+    def _begin(self, iteration: int) -> None:
+        if self.suspended():
+            # The divergence guard's fallback: no decision inside it (it promised uncompressed iterations), no
+            # window measured while lossy codecs step aside; what was due waits for its end.
+            self._decide_at += self._decide_at == iteration
+            self._plan = [(it + (it == iteration), action) for it, action in self._plan]
+            self._steps = []
+            self._mark()
+            return
         if self.script:
             if iteration in self.script:
                 self._switch(iteration, self.script[iteration], "script")
@@ -245,7 +320,7 @@ class AutoPolicy:
 
         t = comm_timers()
         codec, wait = t.codec_s - self._timers0[0], t.wait_s - self._timers0[1]
-        if iteration > self._switched_at:
+        if iteration > self._switched_at and not self.suspended():
             self._steps.append((iteration, seconds, max(seconds - codec - wait, 1e-9)))
 
     def _mark(self) -> None:
@@ -276,18 +351,27 @@ class AutoPolicy:
         from megatron_zpp.perfmodel.specs import ClusterSpec
 
         step_s, compute_s = self._window()
-        view = None
-        if self.rank == 0:  # rank 0's measurements decide: the others' may differ, their decision may not
+        if self.device.type == "cuda":
+            # Host timers see no stream time: on CUDA the window's compute is its step less the communication,
+            # codec time and bubble the model predicts for the running policy (never less than 30% of the step).
+            from megatron_zpp.perfmodel import predict
+
+            p = predict(self._provisional, self.workload, self.by_name[self.current])
+            rest = p.dp_exposed_comm_s + p.codec_exposed_s + p.tp_comm_s + p.pp_comm_s + p.bubble_s
+            compute_s = max(step_s - rest, 0.3 * step_s)
+
+        def choose():  # rank 0's measurements decide: the others' may differ, their decision may not
             fields = cluster_fields(self.measured_inputs, self.workload, nodes=self.nodes,
                                     ranks_per_node=self.ranks_per_node, backend=dist.get_backend(),
                                     fwd_bwd_s=compute_s / self.workload.layout.microbatches,
                                     source=f"--zpp-policy auto, {time.strftime('%Y-%m-%d %H:%M')}")
             self.cluster = from_dict(ClusterSpec, fields, "auto calibration")
             self._write_cluster(fields)
-            view = {"fields": fields, "inputs": self.measured_inputs.summary(), "ranked": self._predict_all()}
-        view = decide_on_rank0(view, self.device)
+            return {"fields": fields, "inputs": self.measured_inputs.summary(), "ranked": self._predict_all()}
+
+        view = decide_on_rank0(choose, self.device)
         self.cluster = from_dict(ClusterSpec, view["fields"], "auto calibration")
-        self._measured = {START: step_s}
+        self._measured = {self.current: step_s}
         ranked = view["ranked"]
         self._decide(iteration, "startup calibration", ranked, ranked[0][0],
                      {"warmup_step_s": step_s, "compute_s": compute_s, **view["inputs"]})
@@ -358,13 +442,14 @@ class AutoPolicy:
         self._note_measured(step_s)
         self._wandb({"zpp/auto_measured_s": step_s}, iteration)
         self._next_check = iteration + self.config.recheck_interval
-        view = None
-        if self.rank == 0:
-            ratio = step_s / dict(self._predict_all())[self.current]
+        def judge():
+            predicted = dict(self._predict_all()).get(self.current)
+            ratio = step_s / predicted if predicted else math.nan
             drift = math.nan if self._ratio0 is None else ratio / self._ratio0 - 1
-            view = {"ratio": ratio, "drift": drift}
-        view = decide_on_rank0(view, self.device)
-        if self._ratio0 is None:
+            return {"ratio": ratio, "drift": drift}
+
+        view = decide_on_rank0(judge, self.device)
+        if self._ratio0 is None or not math.isfinite(self._ratio0):
             self._ratio0 = view["ratio"]  # the choice's first window: what later windows are compared with
             return
         drift = view["drift"]
@@ -375,19 +460,19 @@ class AutoPolicy:
 
         probe = Probe(self.device, self.ranks_per_node, self._intra_group)
         t0 = time.perf_counter()
-        top = max(64 << 10, min((self.args.ddp_bucket_size or 40_000_000) * 4 // max(1, self.world), 8 << 20))
-        inter = probe.ring_fit(sorted({max(32 << 10, top // 8), top}), min(1.0, self.config.calibration_s / 8))
+        inter = probe.ring_ladder(min(2.0, self.config.calibration_s / 4), self._max_bytes)
         seconds = probe.agree_max(time.perf_counter() - t0)
-        view = None
-        if self.rank == 0:
+        def rerank():
             self.cluster = dataclasses.replace(self.cluster, inter_alpha=inter.alpha, inter_bandwidth=inter.bandwidth)
             ranked = self._predict_all()
             predicted = dict(ranked)
             best = ranked[0][0]
-            keep = not predicted[best] < predicted[self.current] * (1 - self.config.hysteresis)
-            view = {"alpha": inter.alpha, "bandwidth": inter.bandwidth, "ranked": ranked,
+            current = predicted.get(self.current, math.inf)
+            keep = not predicted[best] < current * (1 - self.config.hysteresis)
+            return {"alpha": inter.alpha, "bandwidth": inter.bandwidth, "ranked": ranked,
                     "choice": self.current if keep else best}
-        view = decide_on_rank0(view, self.device)
+
+        view = decide_on_rank0(rerank, self.device)
         self.cluster = dataclasses.replace(self.cluster, inter_alpha=view["alpha"], inter_bandwidth=view["bandwidth"])
         self._measured = {}
         ranked, choice = view["ranked"], view["choice"]
@@ -419,13 +504,14 @@ class AutoPolicy:
         return next((i for i, p in enumerate(self.candidates) if p.name == name), -1)
 
     def _wandb(self, values: dict, iteration: int) -> None:
-        if self.wandb_log is not None and self.rank == 0:
+        if self.wandb_log is not None:  # set on the rank that owns the W&B run; every rank holds the same decisions
             self.wandb_log(values, iteration)
 
     def _write_cluster(self, fields: dict) -> None:
         from megatron_zpp.training.calibration import write_cluster
 
-        path = self.config.cluster_yaml or str(Path(self.args.save or tempfile.gettempdir()) / "zpp-auto-cluster.yaml")
+        path = self.config.cluster_yaml or (str(Path(self.args.save) / "zpp-auto-cluster.yaml") if self.args.save else
+                                            str(Path(tempfile.gettempdir()) / f"zpp-auto-cluster-{os.getpid()}.yaml"))
         try:
             write_cluster(Path(path), fields, None, writer="--zpp-policy auto (megatron_zpp/training/auto_policy.py)")
             self.log(f"[zpp auto] wrote the calibrated cluster to {path} (python -m megatron_zpp.advise --cluster {path})")
@@ -433,7 +519,7 @@ class AutoPolicy:
             self.log(f"[zpp auto] could not write the cluster YAML {path}: {e}")
 
     def summary(self) -> dict:
-        return {"decisions": self.decisions, "current": self.current,
+        return {"decisions": self.decisions, "current": self.current, "overhead_s": self.overhead_s,
                 "calibration": self.measured_inputs.summary() if self.measured_inputs else None,
                 "candidates": [p.name for p in self.candidates]}
 

@@ -244,6 +244,22 @@ def write_cluster(path: Path, fields: dict, c: Calibration | None = None, writer
     return cluster
 
 
+def fit_or_bound(nbytes: list[float], seconds: list[float], steps: int = 1) -> Fit:
+    """:func:`fit_alpha_beta`, or where the times do not grow with size (a link too fast for these sizes: all
+    latency and jitter) ``FAST_LINK`` bytes/s and alpha from the fastest time. Times agreed across ranks give the
+    same answer on every rank, so a job never fails on a noisy fit."""
+    try:
+        return fit_alpha_beta(nbytes, seconds, steps)
+    except ValueError:
+        if not nbytes or len(nbytes) != len(seconds) or min(seconds) <= 0:
+            raise
+        return Fit(alpha=min(seconds) / steps, bandwidth=FAST_LINK, intercept=min(seconds),
+                   max_rel_residual=float("nan"), points=list(zip(nbytes, seconds)))
+
+
+FAST_LINK = 1e12  # bytes/s: "faster than these sizes can tell"
+
+
 class Probe:
     """The measurements of one rank; every rank makes the same calls in the same order.
 
@@ -338,7 +354,7 @@ class Probe:
             ts.append(t)
         return fit_alpha_beta(xs, ts, steps=peers)
 
-    def ring_fit(self, sizes: list[int], budget_s: float, min_fit_bytes: int = 0) -> Fit:
+    def ring_fit(self, sizes: list[int], budget_s: float, min_fit_bytes: int = 0, min_reps: int = 3) -> Fit:
         """One ring step on all ranks at once: every rank sends ``size`` bytes to the next rank and receives from the
         previous one (send/recv, as a ring all-gather / all-reduce step). The ring is node-major, so each node has
         exactly one flow leaving it: the step time is ``alpha + size / inter_bandwidth`` (intra hops on the same
@@ -355,9 +371,59 @@ class Probe:
             def step():
                 for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)]):
                     w.wait()
-            ts.append(self.timed(step, budget_s))
+            ts.append(self.timed(step, budget_s, min_reps=min_reps))
             xs.append(float(size // 4 * 4))
         return fit_alpha_beta(xs, ts)
+
+    def ring_ladder(self, share_s: float, max_bytes: int, group=None, peers: int = 0) -> Fit:
+        """A fit within ``share_s``: sizes from 32 KiB up by 4x (to ``max_bytes``), each timed on a quarter of the
+        share's remainder, stopping after the first size whose single call takes over a twelfth of the share: a
+        slow link is fitted on small messages, a fast one on large ones. One node-major ring step (``group``
+        None), else ``all_to_all_single`` with ``peers`` peers on ``group``. Sizes and stops are agreed (the
+        times are), so every rank makes the same calls."""
+        deadline = time.perf_counter() + share_s
+        xs, ts = [], []
+        size = 32 << 10
+        while True:
+            # Agreed (the largest over ranks): the repetition counts below must be the same on every rank.
+            left = self.agree_max(max(deadline - time.perf_counter(), 0.0))
+            reps = 3 if not ts or ts[-1] * 4 * 5 < left else 1  # the next size's calls take ~4x the last one's
+            if group is None:
+                t = self._ring_step(size, left / 4, reps)
+                xs.append(float(size))
+            else:
+                t = self._a2a(group, peers, size, left / 4, reps)
+                xs.append(float(peers * size))
+            ts.append(t)
+            # Past 512 KiB (a token bucket's burst passes smaller messages at line rate), a call over a twelfth of
+            # the share ends the ladder; so does the share's end (agreed: every rank stops at the same size).
+            late = len(ts) >= 2 and self.agree_max(float(time.perf_counter() > deadline)) > 0
+            if (t > share_s / 12 and size >= 512 << 10) or size * 4 > max(max_bytes, 1 << 20) or late:
+                break
+            size *= 4
+        if len(ts) < 2:  # one size took the whole share: a second, smaller one anchors the latency
+            small = 8 << 10
+            ts.append(self._ring_step(small, share_s / 8, 1) if group is None else self._a2a(group, peers, small,
+                                                                                               share_s / 8, 1))
+            xs.append(float(small if group is None else peers * small))
+        return fit_or_bound(xs, ts, steps=max(peers, 1))
+
+    def _ring_step(self, size: int, budget_s: float, min_reps: int) -> float:
+        nxt, prv = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+        send = torch.randn(size // 4, device=self.device)
+        recv = torch.empty_like(send)
+
+        def step():
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)]):
+                w.wait()
+        return self.timed(step, budget_s, max_reps=10, min_reps=min_reps)
+
+    def _a2a(self, group, peers: int, size: int, budget_s: float, min_reps: int) -> float:
+        numel = size // 4
+        inp = torch.randn((peers + 1) * numel, device=self.device)
+        out = torch.empty_like(inp)
+        return self.timed(lambda: dist.all_to_all_single(out, inp, group=group), budget_s, max_reps=10,
+                          min_reps=min_reps)
 
     def small_collective(self) -> float:
         x = torch.zeros(1, device=self.device)
@@ -371,7 +437,7 @@ class Probe:
         ranks, all ranks at once; with ``interface`` also the codec-interface ones (ZFP, MPC, zstd)."""
         from megatron_zpp.compression import layout, ops
 
-        if not ops.kernels_available(self.device):
+        if self.agree_max(0.0 if ops.kernels_available(self.device) else 1.0) > 0:  # the same answer on every rank
             return {}
         n = numel
         x = torch.randn(n, device=self.device).to(dtype)
@@ -439,5 +505,5 @@ class Probe:
             t = self.local_median(step, reps=reps, warm=2)
             xs.append(float(n))
             ts.append(statistics.fmean(self.gather_values(t)))
-        fit = fit_alpha_beta(xs, ts)
+        fit = fit_or_bound(xs, ts)
         return fit.bandwidth, fit.intercept

@@ -210,6 +210,7 @@ class IterationLogger:
             "iterations": len(losses), "first_loss": losses[0] if losses else float("nan"),
             "final_loss": losses[-1] if losses else float("nan"), "losses": losses, "grad_norms": self.grad_norms, "valid_loss": valid_loss,
             "tokens_per_s": a.global_batch_size * a.seq_length / mean_s, "seconds_per_iteration": mean_s,
+            "iteration_seconds": list(self.times),
             "traffic": {t: vars(s) | {"inter_ratio": s.inter_ratio} for t, s in stats.items()},
             "inter_bytes": inter, "inter_bytes_uncompressed": inter_base, "policy": self.policy.to_dict(),
             "dp_replicas_identical": None if sharded else dp_replicas_identical(models),

@@ -229,6 +229,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
 
             auto = AutoPolicy(auto_config_from_args(args), hooks, args, device=device, vocab=tokenizer.vocab_size,
                               agreement=agreement, log=log, wandb_log=guard.wandb_log)
+            auto.suspended = lambda: guard.suspended_until is not None
             with watchdog.paused(), agreement.step("auto policy calibration"):
                 auto.start(start_iteration + 1)
 
@@ -338,6 +339,17 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         summary["divergence_guard"] = guard.summary()
         if auto is not None:
             summary["auto_policy"] = auto.summary()
+            # Auto's calibration and decisions run outside the timed iterations: charged to them, so its throughput
+            # compares with a fixed policy's as a whole run would.
+            timed = max(1, len(logger.times) - 1)  # the summary's mean is over the iterations after the first
+            # without the calibration and decisions (warm-up and exploration iterations are in both)
+            summary["seconds_per_iteration_without_auto_overhead"] = summary["seconds_per_iteration"]
+            summary["seconds_per_iteration"] += auto.overhead_s / timed
+            summary["tokens_per_s"] = args.global_batch_size * args.seq_length / summary["seconds_per_iteration"]
+            if rank == 0:
+                log(f"> summary: --zpp-policy auto ran {auto.current} at the end; its calibration and decisions took "
+                    f"{auto.overhead_s:.1f} s, charged to the iterations: {summary['seconds_per_iteration'] * 1e3:.0f} "
+                    f"ms/iteration, {summary['tokens_per_s']:.0f} tokens/s")
         summary["error_feedback_buckets"] = sorted(hooks._residuals)  # names of the buckets holding a residual
         summary["tokenizer"] = {"type": args.tokenizer_type, "vocab_size": tokenizer.vocab_size,
                                 "padded_vocab_size": args.padded_vocab_size}
