@@ -1,11 +1,11 @@
 """Issue 24's evidence: ``--zpp-policy auto`` against the fixed policies on the emulated 2-node x 2-rank cluster.
 
     sudo python tools/auto_evidence.py rates --out-dir out/auto/rates-1          # every rate, one repeat
-    sudo python tools/auto_evidence.py change --start 1gbit --then 25mbit --at 16 --out-dir out/auto/down-1
+    sudo python tools/auto_evidence.py change --start 1gbit --then 25mbit --at 16 --iters 40 --out-dir out/auto/down-1
     python tools/auto_evidence.py report out/auto/rates-{1,2,3} [--plot docs/auto-vs-fixed.png]
 
-``rates``: for each ZeRO path and inter-node rate, one torchrun launch (tools/bench_training.py's) trains each
-fixed policy and then ``auto``, the make-train model, ``--iters`` iterations each; auto's calibration and
+``rates``: for each ZeRO path and inter-node rate, one torchrun launch per policy (tools/bench_training.py's;
+fresh processes, so no run inherits another's state) trains each fixed policy and then ``auto``, the make-train model, ``--iters`` iterations each; auto's calibration and
 decisions are charged to its iterations (the trainer's summary does it). Rows go to ``results.csv`` with
 bench_training's columns plus ``repeat``.
 
@@ -61,8 +61,12 @@ def run_rates(a) -> None:
             for rate in a.rates.split(","):
                 policies = [p for p in FIXED[path] if p not in a.skip.split(",")] + ["auto"]
                 t0 = time.monotonic()
-                result, summaries = launch(cluster, path, rate, policies, iters=a.iters, log_dir=out,
-                                           log_interval=a.iters, extra_flags={"auto": AUTO_FLAGS})
+                summaries = {}
+                for name in policies:  # one launch each: a fresh process per run (no order effects)
+                    (out / name).mkdir(parents=True, exist_ok=True)
+                    _, got = launch(cluster, path, rate, [name], iters=a.iters, log_dir=out / name,
+                                    log_interval=a.iters, extra_flags={"auto": AUTO_FLAGS})
+                    summaries.update(got)
                 rows = []
                 for name, s in summaries.items():
                     row = summary_row(path, rate, name, s)
@@ -101,9 +105,14 @@ def run_change(a) -> None:
                 changed_at[current["policy"]] = time.monotonic()
 
         policies = [p for p in FIXED[a.path] if p not in a.skip.split(",")] + ["auto"]
-        flags = {"auto": AUTO_FLAGS + ["--zpp-auto-recheck-interval", str(a.recheck)]}
-        result, summaries = launch(cluster, a.path, a.start, policies, iters=a.iters, log_dir=out, log_interval=1,
-                                   extra_flags=flags, on_line=on_line)
+        flags = {"auto": AUTO_FLAGS + ["--zpp-auto-recheck-interval", str(a.recheck), "--zpp-auto-explore-iters",
+                                       str(a.explore)]}
+        summaries = {}
+        for name in policies:  # one launch each: a fresh process per run (no order effects)
+            (out / name).mkdir(parents=True, exist_ok=True)
+            _, got = launch(cluster, a.path, a.start, [name], iters=a.iters, log_dir=out / name, log_interval=1,
+                            extra_flags=flags, on_line=on_line)
+            summaries.update(got)
     rows = []
     for name, s in summaries.items():
         times = s["iteration_seconds"]  # iteration k is times[k - 1]
@@ -192,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--at", type=int, default=16)
     c.add_argument("--iters", type=int, default=48)
     c.add_argument("--tail", type=int, default=12, help="phase 2: the mean of the last this many iterations")
-    c.add_argument("--recheck", type=int, default=8, help="auto's --zpp-auto-recheck-interval")
+    c.add_argument("--recheck", type=int, default=6, help="auto's --zpp-auto-recheck-interval")
+    c.add_argument("--explore", type=int, default=3, help="auto's --zpp-auto-explore-iters")
     c.add_argument("--skip", default="")
     c.add_argument("--repeat", type=int, default=1)
     t = sub.add_parser("report")

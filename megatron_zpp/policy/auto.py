@@ -42,6 +42,9 @@ class AutoPolicyConfig:
     explore_margin: float = 0.05
     """When runners-up are predicted within this fraction of the choice, also run the closest two (once per
     decision) and keep the one measured fastest (at startup, the uncompressed warm-up's measurement counts too)."""
+    explore_baseline_margin: float = 0.3
+    """Also run the best uncompressed candidate when the choice compresses and is predicted less than this fraction
+    faster (the model underrates codec costs on fast links); 0: only the explore-margin runners-up."""
     explore_iters: int = 4
     """Iterations each of the two runs when exploring (the first of each is not timed)."""
     cluster_yaml: str = ""
@@ -75,7 +78,7 @@ def auto_config_from_args(args) -> AutoPolicyConfig:
                           f"--zpp-auto-explore-iters {config.explore_iters}")
     if not 0 < config.calibration_s <= 600:
         raise ConfigError(f"--zpp-auto-calibration-s {config.calibration_s} must be in (0, 600] seconds")
-    for name in ("recheck_tolerance", "hysteresis", "explore_margin"):
+    for name in ("recheck_tolerance", "hysteresis", "explore_margin", "explore_baseline_margin"):
         if not 0 <= getattr(config, name) < 1:
             raise ConfigError(f"--zpp-auto-{name.replace('_', '-')} {getattr(config, name)} must be in [0, 1)")
     return config

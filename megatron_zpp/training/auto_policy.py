@@ -398,9 +398,17 @@ class AutoPolicy:
         e = self.config.explore_iters
         close = [n for n, s in ranked if n != choice and s < predicted[choice] * (1 + self.config.explore_margin)]
         close = close[:EXPLORE_MAX]
+        # The best uncompressed candidate too, when the choice compresses and the model gives it a lead below
+        # --zpp-auto-explore-baseline-margin: the model underrates codec and CPU costs on fast links
+        # (docs/performance.md, "Does the model pick the fastest policy?"), and not compressing is the answer there.
+        baseline = next((n for n, s in ranked if not self.by_name[n].codecs.keys() or
+                         all(c == "none" for c in self.by_name[n].codecs.values())), None)
+        if baseline and baseline != choice and baseline not in close and \
+                predicted[baseline] < predicted[choice] * (1 + self.config.explore_baseline_margin):
+            close.append(baseline)
         if close and self.config.recheck_interval:
-            # Measured beats predicted: time the choice, then each close runner-up, keep the fastest (with the
-            # uncompressed warm-up's own measurement, when this is the startup decision).
+            # Measured beats predicted: time the choice, then each runner-up, keep the fastest (the warm-up's own
+            # measurement counts when this is the startup decision).
             self._plan = [(iteration + (i + 1) * e, f"try {n}") for i, n in enumerate(close)]
             self._plan.append((iteration + (len(close) + 1) * e, "judge " + " ".join([choice, *close])))
             self._next_check = iteration + (len(close) + 2) * e
