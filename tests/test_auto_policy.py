@@ -109,7 +109,7 @@ def test_replicas_stay_identical_across_auto_switches(layout):
                    < t.get("uncompressed_intra_bytes", 0) + t.get("uncompressed_inter_bytes", 0) for t in sent), sent
 
 
-@pytest.mark.parametrize("slow_rank0", [True, False])
+@pytest.mark.parametrize("slow_rank0", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_every_rank_takes_rank0s_decision_when_measurements_differ(slow_rank0):
     """Each rank's calibration measures other links (3 MB/s on rank 0 and 30 GB/s on the others, or the
     reverse): all ranks decide the same, the decision is the fastest candidate on rank 0's numbers, and the
