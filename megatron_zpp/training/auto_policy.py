@@ -33,6 +33,7 @@ on every rank).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -235,11 +236,8 @@ class AutoPolicy:
         self._switched_at = first_iteration
         if self.script:
             return
-        t0 = time.perf_counter()
-        try:
+        with self._charged():
             self._start(first_iteration)
-        finally:
-            self.overhead_s += time.perf_counter() - t0
 
     def _start(self, first_iteration: int) -> None:
         from megatron_zpp.training.calibration import Probe
@@ -286,9 +284,15 @@ class AutoPolicy:
     def begin(self, iteration: int) -> None:
         """Before 1-based ``iteration``, before any of its collectives: decide, explore or re-check when due (its
         time adds to ``overhead_s``)."""
+        with self._charged():
+            self._begin(iteration)
+
+    @contextlib.contextmanager
+    def _charged(self):
+        """Time spent inside counts to ``overhead_s`` (charged to the iterations in the run's summary)."""
         t0 = time.perf_counter()
         try:
-            self._begin(iteration)
+            yield
         finally:
             self.overhead_s += time.perf_counter() - t0
 
