@@ -25,7 +25,6 @@ import csv
 import re
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
