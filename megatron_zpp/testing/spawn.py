@@ -55,6 +55,11 @@ def _entry(rank: int, fn: Callable, world_size: int, ranks_per_node: int, workdi
         result = fn(*args, **kwargs)
         with open(f"{workdir}/result{rank}", "wb") as f:
             pickle.dump(result, f)
+        # A rank that finished first must not close its connections while a peer still reads from them (a
+        # collective that raised mid-way, e.g. on a corrupt payload, leaves transfers in flight): gloo then
+        # aborts the peer ("terminate called without an active exception"). Only on success: a rank that
+        # raised is waited for by nobody.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
