@@ -29,7 +29,7 @@ def _type(a: argparse.Action):
 
 
 def _describe(a: argparse.Action) -> dict:
-    return {"action": type(a).__name__, "dest": a.dest, "type": _type(a),
+    return {"action": type(a).__name__, "dest": a.dest, "type": _type(a), "nargs": a.nargs,
             "default": a.default, "choices": tuple(a.choices) if a.choices else None}
 
 
@@ -61,7 +61,11 @@ def test_every_shared_flag_matches_megatron_lm():
             "--attention-backend", "--no-gradient-accumulation-fusion", "--no-bias-gelu-fusion",
             "--no-masked-softmax-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm", "--data-path", "--split",
             "--train-data-path", "--valid-data-path", "--test-data-path", "--data-cache-path", "--tokenizer-type",
-            "--tokenizer-model", "--vocab-file", "--merge-file", "--vocab-size"} <= set(shared)
+            "--tokenizer-model", "--vocab-file", "--merge-file", "--vocab-size",
+            # MoE (issue 25)
+            "--num-experts", "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--moe-router-topk",
+            "--moe-token-dispatcher-type", "--moe-aux-loss-coeff", "--moe-router-load-balancing-type",
+            "--moe-layer-freq", "--moe-ffn-hidden-size", "--moe-grouped-gemm"} <= set(shared)
     # every documented difference is a flag we really share
     assert set(DIFFERENCES) <= set(shared), set(DIFFERENCES) - set(shared)
 

@@ -158,8 +158,48 @@ def install_cpu_shim() -> None:
         return norm
 
     torch_norm.WrappedTorchNorm.__new__ = _norm
+    _install_moe_fixes()
     _CudaToCpuMode().__enter__()  # process-wide for the main thread, never exited
     _INSTALLED = True
+
+
+def _install_moe_fixes() -> None:
+    """Megatron-Core's MoE token dispatcher on the CPU.
+
+    The alltoall dispatcher computes its split sizes on the device and copies them to the host as numpy arrays
+    (``moe_utils.maybe_move_tensor_to_cpu(..., as_numpy=True)``), which it does only for CUDA tensors: on the CPU
+    they stayed tensors and reached ``all_to_all_single`` and ``sum()`` as such. Here a CPU tensor asked for as
+    numpy becomes numpy, what the GPU path gets.
+    """
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+    # Megatron-Core's own layers (the local spec) with expert parallelism 1: an expert's linear_fc2 returns the
+    # output of _ReduceFromModelParallelRegion, which over a group of one is its input as-is, and the expert MLP
+    # then adds the bias in place (``output += output_bias * per_token_scale``), which autograd forbids ("is a
+    # view and is being modified inplace"). Not CPU-specific: on a GPU the same layers fail the same way, and
+    # the driver refuses that combination there (megatron_zpp/training/moe.py); with Transformer Engine's layers
+    # it does not arise. Here the expert's output is a fresh tensor (an exact copy).
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    row_forward = RowParallelLinear.forward
+
+    def forward(self, *args, **kwargs):
+        output, bias = row_forward(self, *args, **kwargs)
+        if self.is_expert and not self.explicit_expert_comm:
+            output = output.clone()
+        return output, bias
+
+    RowParallelLinear.forward = forward
 
 
 def cpu_shim_installed() -> bool:

@@ -96,8 +96,9 @@ class DdpRouting:
         original_ar = dist.all_reduce
         grad_buffers = {id(b.grad_data) for b in bucket_group.buckets}
         # Stable names for error feedback: the bucket whose gradients a collective reduces.
-        names = {b.grad_data.data_ptr(): f"ddp.bucket{b.bucket_id}.n{b.grad_data.numel()}"
-                 for b in bucket_group.buckets}
+        # MoE: expert buckets (Megatron-Core marks their parameters allreduce=False) count their ids from 0 too.
+        names = {b.grad_data.data_ptr(): f"ddp.{'expert.' if _is_expert_bucket(b) else ''}bucket{b.bucket_id}"
+                                         f".n{b.grad_data.numel()}" for b in bucket_group.buckets}
         handles: list = []
 
         def keep(result_and_handle):
@@ -273,6 +274,10 @@ class DdpRouting:
         return None, compressed_all_reduce(tensor, self.topology(group), codec=self.grad_codec, op=_op_name(op), async_op=async_op,
                                            tag=GRAD_TAG, intra_codec=self._intra_codec(),
                                            stages=self.policy.qgz_stages, residual=self._residual(tensor, bucket))
+
+
+def _is_expert_bucket(bucket) -> bool:
+    return any(not getattr(p, "allreduce", True) for p in bucket.params_list)
 
 
 def _buffer_ranges(optimizer) -> list[tuple[int, int]] | None:

@@ -147,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
 
+    from megatron_zpp.training.moe import add_moe_args
+
+    add_moe_args(p)
+
     from megatron.core.transformer.enums import AttnBackend  # lazily: only what the parser needs
 
     g = p.add_argument_group("transformer implementation and fusions (Megatron-LM's defaults)")
@@ -392,6 +396,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.ffn_hidden_size % tp:
         raise ConfigError(f"--ffn-hidden-size {args.ffn_hidden_size} (default 4 x --hidden-size) is not divisible by "
                           f"--tensor-model-parallel-size {tp}")
+    from megatron_zpp.training.moe import validate_moe_args
+
+    validate_moe_args(args, world_size)
     if args.sequence_parallel and tp > 1 and args.seq_length % tp:
         raise ConfigError(f"--sequence-parallel splits the sequence over the tensor-parallel ranks: --seq-length "
                           f"{args.seq_length} is not divisible by --tensor-model-parallel-size {tp}")

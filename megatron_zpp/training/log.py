@@ -56,19 +56,28 @@ REPLICA_CHECK_MAX_NUMEL = 200_000_000
 
 
 def dp_replicas_identical(models) -> bool | None:
-    """Whether every data-parallel replica holds bit-identical parameters (a digest per rank,
-    compared over the DP group). ``None`` for models too large to digest at the end of a run."""
+    """Whether every data-parallel replica holds bit-identical parameters (a digest per rank, compared over the DP
+    group; MoE expert parameters, marked ``allreduce=False`` by Megatron-Core, over the expert-data-parallel group).
+    ``None`` for models too large to digest at the end of a run."""
     from megatron.core import parallel_state
 
-    params = [p.detach() for m in models for p in m.parameters()]
+    params = [p for m in models for p in m.parameters()]
     if any(hasattr(p, "to_local") for p in params):
         return None  # ZeRO-3 (Megatron-FSDP): parameters are DTensor shards, there are no replicas
     if sum(p.numel() for p in params) > REPLICA_CHECK_MAX_NUMEL:
         return None
+    expert = [p for p in params if not getattr(p, "allreduce", True)]
+    dense = [p for p in params if getattr(p, "allreduce", True)]
+    same = _identical_over(dense, parallel_state.get_data_parallel_group())
+    if expert:
+        same = _identical_over(expert, parallel_state.get_expert_data_parallel_group()) and same
+    return same
+
+
+def _identical_over(params: list[torch.Tensor], group) -> bool:
     digest = hashlib.sha256()
     for p in params:
-        digest.update(p.contiguous().view(torch.uint8).cpu().numpy().tobytes())
-    group = parallel_state.get_data_parallel_group()
+        digest.update(p.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, digest.hexdigest(), group=group)
     return all(d == everyone[0] for d in everyone)
@@ -79,6 +88,7 @@ class IterationLogger:
         self.args, self.policy, self._log = args, policy, log
         self.device = torch.device(device)  # where the model runs: decides whether host timers see its work
         self.grad_norms: list[float] = []
+        self.moe_aux_losses: dict[str, list[float]] = {}  # per iteration, by Megatron-Core's name (MoE only)
         self.rank = dist.get_rank()
         self.times: list[float] = []
         self._last_stats: dict[str, TagStats] = {}
@@ -126,10 +136,12 @@ class IterationLogger:
                                             **a.wandb_config})
 
     def iteration(self, iteration: int, loss: float, lr: float, grad_norm, seconds: float, update_ok: bool,
-                  hpz_bytes: int = 0) -> None:
+                  hpz_bytes: int = 0, aux_losses: dict[str, float] | None = None) -> None:
         if not self.times:  # the first iteration of this run (a resumed run starts past 1)
             self._last_logged = iteration - 1
         self.times.append(seconds)
+        for name, value in (aux_losses or {}).items():
+            self.moe_aux_losses.setdefault(name, []).append(value)
         self.grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
         timers = comm_timers().snapshot()
         self.comm_seconds.append((timers[0] - self._last_timers[0], timers[1] - self._last_timers[1]))
@@ -149,16 +161,18 @@ class IterationLogger:
         tokens_per_s = a.global_batch_size * a.seq_length / mean_s
         eta = datetime.timedelta(seconds=round(mean_s * (a.train_iters - iteration)))
         norm = float(grad_norm) if grad_norm is not None else float("nan")
+        # As Megatron-LM: each MoE aux loss averaged over the interval's iterations, after the lm loss.
+        aux = {name: sum(v[-n:]) / len(v[-n:]) for name, v in self.moe_aux_losses.items() if v}
         now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
         self.log(f" [{now}] iteration {iteration:8d}/{a.train_iters:8d} | consumed samples: "
                  f"{iteration * a.global_batch_size:12d} | elapsed time per iteration (ms): {mean_s * 1e3:.1f} | "
                  f"learning rate: {lr:.6E} | global batch size: {a.global_batch_size:5d} | lm loss: {loss:.6E} | "
-                 f"grad norm: {norm:.3f} | tokens/s: {tokens_per_s:.0f} | ETA {eta} | "
+                 + "".join(f"{name}: {value:.6E} | " for name, value in aux.items()) + f"grad norm: {norm:.3f} | tokens/s: {tokens_per_s:.0f} | ETA {eta} | "
                  + traffic_text(interval, n) + (f" | hpZ secondary MB/rank: {hpz_bytes / MB:.2f}" if hpz_bytes else "")
                  + ("" if update_ok else " | update skipped"))
         if self.wandb is not None:
             record = {"lm loss": loss, "learning-rate": lr, "grad-norm": norm, "tokens-per-sec": tokens_per_s,
-                      "iteration-time": mean_s}
+                      "iteration-time": mean_s, **aux}
             for tag, s in interval.items():
                 record.update({f"comm/{tag}/intra_MB": s.intra_bytes / MB / n, f"comm/{tag}/inter_MB":
                                s.inter_bytes / MB / n, f"comm/{tag}/inter_ratio": s.inter_ratio})
@@ -208,7 +222,7 @@ class IterationLogger:
         inter_base = sum(s.uncompressed_inter_bytes for s in stats.values())
         summary = {
             "iterations": len(losses), "first_loss": losses[0] if losses else float("nan"),
-            "final_loss": losses[-1] if losses else float("nan"), "losses": losses, "grad_norms": self.grad_norms, "valid_loss": valid_loss,
+            "final_loss": losses[-1] if losses else float("nan"), "losses": losses, "grad_norms": self.grad_norms, "moe_aux_losses": self.moe_aux_losses, "valid_loss": valid_loss,
             "tokens_per_s": a.global_batch_size * a.seq_length / mean_s, "seconds_per_iteration": mean_s,
             "iteration_seconds": list(self.times),
             "traffic": {t: vars(s) | {"inter_ratio": s.inter_ratio} for t, s in stats.items()},
@@ -220,6 +234,7 @@ class IterationLogger:
             "gpu_peak_memory_bytes": gpu_peak_memory_bytes(self.device),
             "replica_check": None if replica_check is None else {
                 "uses_compared": replica_check.result.uses_compared, "mismatches": replica_check.result.mismatch_count,
+                "expert_uses_compared": replica_check.result.expert_uses_compared,
                 "first_mismatches": replica_check.result.mismatches},
         }
         self.log(f"> summary: {len(losses)} iterations, lm loss {summary['first_loss']:.4f} -> "
@@ -257,7 +272,7 @@ class IterationLogger:
                      f"uncompressed collectives would have sent (x{inter / inter_base:.4f})")
         if self.wandb is not None:
             self.wandb.summary.update({k: v for k, v in summary.items()
-                                       if k not in ("losses", "grad_norms", "memory", "traffic_intervals")})
+                                       if k not in ("losses", "grad_norms", "moe_aux_losses", "memory", "traffic_intervals")})
             # Flat per-iteration figures, so a sweep's table and metric read them without unnesting.
             n = max(len(losses), 1)
             self.wandb.summary.update({"inter_bytes_per_iteration": inter / n,

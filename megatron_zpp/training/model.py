@@ -25,6 +25,7 @@ import torch
 
 from megatron_zpp.policy import ConfigError
 from megatron_zpp.training.arguments import TE_INSTALL
+from megatron_zpp.training.moe import moe_config_kwargs
 
 # Megatron-LM turns these on by default; each needs a GPU, some also a library (checked by import).
 FUSIONS = ("gradient_accumulation_fusion", "bias_activation_fusion", "masked_softmax_fusion", "bias_dropout_fusion",
@@ -119,6 +120,22 @@ def resolve_fusions(args: argparse.Namespace, impl: str, *, cuda: bool) -> tuple
     return fusions, off
 
 
+def _moe_block_spec(config, impl: str, args: argparse.Namespace, vp_stage: int | None):
+    """The decoder block of a MoE GPT for one (virtual) pipeline stage, as Megatron-LM's GPT builder makes it."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.enums import AttnBackend
+
+    te = impl == "transformer_engine"
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization=config.normalization,
+                                       vp_stage=vp_stage)
+    if te and args.attention_backend == AttnBackend.local:
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        for layer in block.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = DotProductAttention
+    return block
+
+
 def build_model(args: argparse.Namespace, device: torch.device, impl: str, fusions: dict[str, bool]):
     """The model chunks (one per virtual pipeline stage) and their ``TransformerConfig``."""
     from megatron.core import parallel_state
@@ -140,8 +157,12 @@ def build_model(args: argparse.Namespace, device: torch.device, impl: str, fusio
         recompute_num_layers=args.recompute_num_layers, transformer_impl=impl,
         attention_backend=args.attention_backend, **fusions,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        batch_p2p_comm=not args.overlap_p2p_comm, overlap_p2p_comm=args.overlap_p2p_comm)
-    if impl == "transformer_engine":
+        batch_p2p_comm=not args.overlap_p2p_comm, overlap_p2p_comm=args.overlap_p2p_comm,
+        **moe_config_kwargs(args))
+    if args.num_experts is not None:
+        # MoE: Megatron-LM's GPT builder's block spec (dense and MoE layers by --moe-layer-freq), per stage below.
+        spec = None
+    elif impl == "transformer_engine":
         spec = get_gpt_layer_with_transformer_engine_spec()
         if args.attention_backend == AttnBackend.local:
             # As megatron.training's GPTModelBuilder: TE's layers around Megatron-Core's attention core.
@@ -155,7 +176,8 @@ def build_model(args: argparse.Namespace, device: torch.device, impl: str, fusio
     chunks = []
     for vp_stage in range(vpp or 1):  # one chunk per virtual pipeline stage (interleaved schedule)
         stage = vp_stage if vpp else None
-        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=padded_vocab,
+        layer_spec = spec if spec is not None else _moe_block_spec(config, impl, args, stage)
+        model = GPTModel(config=config, transformer_layer_spec=layer_spec, vocab_size=padded_vocab,
                          max_sequence_length=args.max_position_embeddings,
                          pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=not vpp, vp_stage=stage),
                          post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=not vpp, vp_stage=stage),

@@ -35,6 +35,7 @@ from megatron_zpp.training.data import build_datasets, micro_batches
 from megatron_zpp.training.log import IterationLogger
 from megatron_zpp.training.model import (build_model, optimizer_fallback_note, resolve_fusions,
                                          resolve_transformer_impl, transformer_engine_available)
+from megatron_zpp.training.moe import check_moe_runs_here, report_aux_losses
 from megatron_zpp.training.quiet import install_warning_filters
 from megatron_zpp.training.tokenizer import padded_vocab_size, tokenizer_from_args
 from megatron_zpp.training.watchdog import RankFailureError, RankWatchdog, rank_failure_config_from_args
@@ -115,6 +116,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         tp_compressed=(policy.compresses("tp") or hooks.model_parallel_codecs["tp"] != "none")
         and args.tensor_model_parallel_size > 1)
     fusions, fusions_off = resolve_fusions(args, impl, cuda=cuda)
+    check_moe_runs_here(args, cuda=cuda, impl=impl)
     if rank == 0:
         for note in (impl_note, optimizer_fallback_note(cuda)):
             if note:
@@ -133,7 +135,9 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size)
+            virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            expert_tensor_parallel_size=args.expert_tensor_parallel_size)
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
         torch.manual_seed(args.seed)
         tokenizer = tokenizer_from_args(args)
@@ -191,7 +195,9 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             from megatron_zpp.megatron.replica_check import ReplicaWeightCheck
 
             # Registered after Megatron's hooks: digests the weights each module actually uses.
-            replica_check = ReplicaWeightCheck(models, parallel_state.get_data_parallel_group())
+            expert_group = parallel_state.get_expert_data_parallel_group() if args.num_experts else None
+            replica_check = ReplicaWeightCheck(models, parallel_state.get_data_parallel_group(),
+                                               expert_group=expert_group)
 
         guard = DivergenceGuard(divergence_config_from_args(args), hooks, device=device, fp16=args.fp16, log=log,
                                 agreement=agreement)
@@ -290,7 +296,7 @@ def pretrain(argv: list[str] | None = None, *, log=print, plugin: bool = True) -
             if auto is not None:
                 auto.end(iteration + 1, step_s)
             logger.iteration(iteration + 1, loss, scheduler.get_lr(optimizer.param_groups[0]), grad_norm,
-                             step_s, update_ok, hooks.hpz_bytes)
+                             step_s, update_ok, hooks.hpz_bytes, report_aux_losses(args, iteration + 1))
             if diverged and guard.config.reload:
                 with watchdog.paused():
                     back = _reload_after_divergence(args, models, optimizer, scheduler, hooks, guard, log, agreement)

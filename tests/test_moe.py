@@ -1,0 +1,151 @@
+"""Mixture-of-Experts in pretrain_gpt.py (issue 25): Megatron-LM's flags, their checks, and expert buckets under
+every ZeRO path and policy, with the expert-data-parallel replicas compared at every use."""
+
+import argparse
+import re
+
+import moe_checks as checks
+import pytest
+
+from megatron_zpp.policy import ConfigError
+from megatron_zpp.testing import run_distributed
+from megatron_zpp.training.arguments import build_parser, validate_args
+from megatron_zpp.training.moe import moe_freq_type
+
+
+def _args(*flags: str, world: int = 4) -> argparse.Namespace:
+    return validate_args(build_parser().parse_args(list(flags)), world)
+
+
+@pytest.mark.parametrize("text", ["1", "2", "([1]*3+[0]*1)*3", "[0]+[1]*23", "([1]*3+[0]*2)*2", "[1,0,1]"])
+def test_moe_layer_freq_reads_what_megatron_lm_reads(text):
+    from megatron.training.arguments import moe_freq_type as megatron_moe_freq_type
+
+    assert moe_freq_type(text) == megatron_moe_freq_type(text)
+
+
+@pytest.mark.parametrize("text", ["[2,0]", "__import__('os')", "[1]*x", "one"])
+def test_moe_layer_freq_refuses_what_is_not_a_pattern(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="moe-layer-freq|pattern|integer"):
+        moe_freq_type(text)
+
+
+def test_expert_parallel_sizes_follow_the_world():
+    args = _args("--num-experts", "8", "--expert-model-parallel-size", "2", world=4)
+    assert (args.expert_tensor_parallel_size, args.expert_data_parallel_size) == (1, 2)
+    assert args.moe_ffn_hidden_size == args.ffn_hidden_size
+    dense = _args(world=4)
+    assert dense.expert_data_parallel_size is None and dense.num_experts is None
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--num-experts", "6", "--expert-model-parallel-size", "4"],
+     "--num-experts 6 is not divisible by --expert-model-parallel-size 4; valid expert-parallel sizes: 1, 2, 3, 6"),
+    (["--num-experts", "8", "--expert-model-parallel-size", "8"],
+     "world size 4 is not divisible by expert-tensor .1. x expert-model .8. x pipeline .1. parallel size = 8"),
+    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 without --num-experts"),
+    (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk 5 must be between 1 and --num-experts 4"),
+    (["--num-experts", "4", "--moe-token-dispatcher-type", "flex"], "needs DeepEP or HybridEP .*valid here: "
+                                                                    "allgather, alltoall"),
+    (["--num-experts", "4", "--num-layers", "2", "--moe-layer-freq", "[1,0,1]"],
+     "--moe-layer-freq pattern has 3 entries; it needs one per layer .--num-layers 2."),
+    (["--num-experts", "4", "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss", "--moe-aux-loss-coeff",
+      "0.1"], "one coefficient per --moe-router-load-balancing-type"),
+    (["--num-experts", "4", "--tensor-model-parallel-size", "2"], "needs --sequence-parallel"),
+    (["--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+     "--expert-tensor-parallel-size 2: this GPT's linear layers have biases"),
+])
+def test_bad_moe_flags_name_the_value_and_the_valid_choices(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        _args(*flags)
+
+
+def test_grouped_gemm_is_refused_without_a_gpu():
+    from megatron_zpp.training.moe import check_moe_runs_here
+
+    args = _args("--num-experts", "4", "--moe-grouped-gemm")
+    with pytest.raises(ConfigError, match="--moe-grouped-gemm runs Transformer Engine's grouped GEMM on a GPU and "
+                                          "this machine has no GPU; drop the flag"):
+        check_moe_runs_here(args, cuda=False, impl="local")
+    check_moe_runs_here(args, cuda=True, impl="transformer_engine")  # where it can run: no error
+
+
+MOE_LAYOUTS = {
+    "distopt-overlap-both": ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+                             "--ddp-bucket-size", "20000", "--moe-token-dispatcher-type", "alltoall"],
+    "fsdp-hpz": ["--use-megatron-fsdp", "--bf16", "--overlap-grad-reduce", "--overlap-param-gather",
+                 "--moe-token-dispatcher-type", "alltoall"],
+    "distopt-allgather": ["--use-distributed-optimizer", "--moe-token-dispatcher-type", "allgather"],
+}
+
+
+@pytest.mark.parametrize("layout", ["distopt-overlap-both", "fsdp-hpz",
+                                    pytest.param("distopt-allgather", marks=pytest.mark.slow)])
+def test_expert_replicas_compute_with_identical_weights_at_every_use(layout):
+    """A MoE GPT (4 experts, top-2, EP=2 on 2 simulated nodes x 2: expert-data-parallel 2, data-parallel 4):
+    dense modules compared over the data-parallel group and expert modules over the expert-data-parallel group at
+    every forward and backward use, under none (bit-identical to no plugin), fair and zeropp with error feedback;
+    the aux loss is logged."""
+    policies = ["none", "fair", "zeropp-ef"]
+    results = run_distributed(checks.moe_replicas, 4, MOE_LAYOUTS[layout], policies, 3, ranks_per_node=2,
+                              timeout_s=600)
+    for rank, by_policy in enumerate(results):
+        for policy, r in by_policy.items():
+            print(f"\n{layout} rank {rank} {policy}: {r['uses_compared']} uses compared ({r['expert_uses_compared']}"
+                  f" of expert modules), {r['mismatches']} mismatches {r['first_mismatches'][:3]}; aux "
+                  f"{ {k: v[-1] for k, v in r['aux'].items()} }")
+            assert r["finite"], (layout, policy)
+            assert r["expert_uses_compared"] > 0 and r["mismatches"] == 0, (layout, rank, policy, r)
+            assert len(r["aux"]["load_balancing_loss"]) == 3, r["aux"]
+        assert by_policy["none"]["losses"] == by_policy["absent"]["losses"], (layout, by_policy)
+        assert by_policy["none"]["aux"] == by_policy["absent"]["aux"]
+        if layout.startswith("distopt"):  # error feedback keeps expert and dense residuals apart
+            ef = by_policy["zeropp-ef"]["ef_buckets"]
+            assert any(n.startswith("ddp.expert.") for n in ef) and any(n.startswith("ddp.bucket") for n in ef), ef
+
+
+@pytest.mark.parametrize("layout", ["distopt-overlap-both", "fsdp-hpz"])
+def test_expert_buckets_travel_on_the_expert_data_parallel_group(layout):
+    """Megatron hands each expert bucket's collective its expert-data-parallel group; the hooks build that group's
+    own topology (here one rank per node: the whole exchange is inter-node) on a communicator of its own, distinct
+    from the dense data-parallel group's; the aux loss is in the iteration log line."""
+    results = run_distributed(checks.expert_bucket_groups, 4, MOE_LAYOUTS[layout], "zeropp", ranks_per_node=2,
+                              timeout_s=600)
+    for rank, r in enumerate(results):
+        assert r["finite"]
+        # EP=2 over ranks {0,1} and {2,3}: expert-data-parallel groups {0,2} and {1,3}, across the two nodes
+        assert r["expert_dp"] == (rank % 2, rank % 2 + 2) and r["dense_dp"] == (0, 1, 2, 3), r
+        assert set(r["groups"]) == {r["expert_dp"], r["dense_dp"]}, r["groups"]
+        assert r["groups"][r["expert_dp"]]["nodes"] == 2 and r["groups"][r["expert_dp"]]["per_node"] == 1
+        assert r["groups"][r["dense_dp"]]["nodes"] == 2 and r["groups"][r["dense_dp"]]["per_node"] == 2
+        assert r["groups"][r["expert_dp"]]["private"] != r["groups"][r["dense_dp"]]["private"]
+    lines = [line for line in results[0]["lines"] if " iteration " in line and "lm loss" in line]
+    assert len(lines) == 2 and all(re.search(r"lm loss: \S+ \| load_balancing_loss: \d\.\d{6}E[+-]\d\d \|", x)
+                                   for x in lines), lines
+    print(f"\n{layout}: groups {results[0]['groups']}\n{lines[-1]}")
+
+
+def test_expert_parallel_one_trains_and_none_is_bit_identical():
+    """EP=1 (every rank holds all experts; Megatron-Core's own layers need the CPU shim's fix there) on 2 ranks
+    with the allgather dispatcher: replicas identical at every use, none bit-identical to no plugin."""
+    flags = ["--use-distributed-optimizer", "--moe-token-dispatcher-type", "allgather",
+             "--expert-model-parallel-size", "1"]
+    results = run_distributed(checks.moe_replicas, 2, flags, ["none", "zeropp"], 2, ranks_per_node=1,
+                              timeout_s=600)
+    for r in results:
+        for policy, run in r.items():
+            assert run["finite"] and run["mismatches"] == 0 and run["expert_uses_compared"] > 0, (policy, run)
+        assert r["none"]["losses"] == r["absent"]["losses"]
+        assert r["zeropp"]["losses"] != r["absent"]["losses"]  # the compressed path did run
+
+
+def test_local_layers_at_expert_parallel_one_are_refused_on_a_gpu():
+    from megatron_zpp.training.moe import check_moe_runs_here
+
+    args = _args("--num-experts", "4")
+    with pytest.raises(ConfigError, match="--transformer-impl local at --expert-model-parallel-size 1 fails in "
+                                          "Megatron-Core 0.19"):
+        check_moe_runs_here(args, cuda=True, impl="local")
+    check_moe_runs_here(args, cuda=True, impl="transformer_engine")
+    check_moe_runs_here(args, cuda=False, impl="local")  # the CPU shim's fix
+    check_moe_runs_here(_args("--num-experts", "4", "--expert-model-parallel-size", "2"), cuda=True, impl="local")
