@@ -59,3 +59,38 @@ def expert_bucket_groups(parallel: list[str], policy: str) -> dict:
               for ranks, topo in seen.items()}
     return {"groups": groups, "expert_dp": state["expert_dp"], "dense_dp": state["dense_dp"], "lines": lines,
             "finite": run["finite"]}
+
+
+def all_to_all_worker(codec: str) -> dict:
+    """One variable-split all-to-all over the world (2 simulated nodes x 2): rows of 96 values, some destinations
+    sent no rows, a NaN in rank 1's rows for rank 0; the exact exchange as the reference."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_zpp.comm import comm_stats, compressed_all_to_all
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    send = [(rank * 3 + p * 5) % 7 for p in range(size)]
+    recv = [(p * 3 + rank * 5) % 7 for p in range(size)]
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(sum(send), 96, generator=g) * (rank + 1)
+    if rank == 1:
+        x[0, 3] = float("nan")  # the first row goes to rank 0 (send[0] = 3)
+    reference = torch.empty(sum(recv), 96)
+    dist.all_to_all_single(reference, x, output_split_sizes=recv, input_split_sizes=send)
+    comm_stats().reset()
+    out = compressed_all_to_all(x, recv, send, None, codec, "ep.test", ranks_per_node=2)
+    return {"out": out, "reference": reference, "recv": recv, "send": send, "stats": comm_stats().get("ep.test")}
+
+
+def moe_ep_codecs(flags_by_name: dict[str, list[str]], iterations: int) -> dict:
+    """The MoE GPT (alltoall dispatcher, distributed optimizer) under each set of ep flags: losses and the ep
+    byte counters (summed over ranks)."""
+    base = MOE + ["--use-distributed-optimizer", "--moe-token-dispatcher-type", "alltoall", "--train-iters",
+                  str(iterations), "--zpp-ranks-per-node", "2", "--eval-iters", "0"]
+    out = {}
+    for name, flags in flags_by_name.items():
+        run = pretrain(base + flags, log=_quiet, plugin=name != "absent")
+        out[name] = {"losses": run["losses"], "finite": run["finite"],
+                     "traffic": {t: s for t, s in run.get("traffic", {}).items() if t.startswith("ep.")}}
+    return out

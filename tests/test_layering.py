@@ -22,7 +22,7 @@ USES_SIDE = {"training": {"perfmodel"}}
 # comm/ top-down (comm/README.md): groups and transport, buffers, accounting, codec stages, then the
 # collectives that compose them. A module imports only rooms before it.
 COMM_ROOMS = ["execution", "scratch", "topology", "stats", "wire", "error_feedback", "any_codec", "passthrough",
-              "reduce_scatter", "all_gather", "all_reduce", "p2p", "__init__"]
+              "reduce_scatter", "all_gather", "all_reduce", "all_to_all", "p2p", "__init__"]
 
 
 def _modules() -> dict[str, Path]:

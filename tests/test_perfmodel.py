@@ -267,7 +267,7 @@ def test_cluster_presets_fit_the_128_gpu_workloads_and_place_the_crossover():
     there and not here (the model's crossover, docs in megatron_zpp/perfmodel/README.md)."""
     clusters = {p.stem: load_cluster(p) for p in sorted((ROOT / "configs/clusters").glob("*-128.yaml"))}
     workloads = {p.stem: load_workload(p) for p in sorted((ROOT / "configs/workloads").glob("*-128gpu.yaml"))}
-    assert len(clusters) == 7 and len(workloads) == 4
+    assert len(clusters) == 7 and len(workloads) == 5
     for name, c in clusters.items():
         assert c.nodes * c.ranks_per_node == 128 and c.source, name
         for w in workloads.values():
@@ -319,3 +319,50 @@ def test_weight_differences_halve_zeropp_parameter_bytes():
     assert resolve("qwd").policy.param_difference
     with pytest.raises(ValueError, match="distributed optimizer only"):
         predict(cluster, load_workload(ROOT / "configs/workloads/tiny-gpt-2x2-fsdp.yaml"), "qwd")
+
+
+# ---------------------------------------------------------------------------------------------- MoE (issue 25)
+
+MIXTRAL = ROOT / "configs/workloads/mixtral-8x7b-128gpu.yaml"
+
+
+@pytest.mark.parametrize("spec", ["none", "int8:block=128"])
+def test_token_all_to_all_bytes_match_comm_accounting(spec):
+    """The model's token dispatch bytes are comm.compressed_all_to_all's: each chunk one payload padded to 16
+    bytes, split by the peer's node (all_to_all.py's _split_bytes)."""
+    from megatron_zpp.comm.all_to_all import _split_bytes
+    from megatron_zpp.comm.any_codec import slot_bytes
+
+    nodes, node_size, chunk = 2, 4, 1000 + 3
+    group = C.make_group(list(range(nodes * node_size)), node_size, 1)
+    cost = C.token_all_to_all(_cluster(nodes=nodes, ranks_per_node=node_size), group, chunk, spec, 2)
+    payload = chunk * 2 if spec == "none" else slot_bytes(get_codec(spec).wire_bytes(chunk))
+    member_nodes = group.member_nodes
+    expected = [_split_bytes(member_nodes, me, [payload] * group.size) for me in range(group.size)]
+    assert (cost.intra_bytes, cost.inter_bytes) == tuple(map(sum, zip(*expected)))
+
+
+def test_moe_workload_counts_expert_parameters_and_token_traffic():
+    """Mixtral-8x7B-like: ~46.7B parameters (~45B of them in experts); with 8 GPUs per node EP=8 stays inside the
+    node (no cross-node dispatch bytes, so an INT8 dispatch gains nothing across nodes); with 4 per node it
+    crosses, and INT8 dispatch sends ~(1 + 4/128) / 2 of the bf16 dispatch bytes."""
+    from megatron_zpp.perfmodel.model import dense_and_expert_params
+
+    workload = load_workload(MIXTRAL)
+    dense, experts = dense_and_expert_params(workload)
+    assert 46.0e9 < dense + experts < 47.5e9 and 44.0e9 < experts < 45.5e9, (dense, experts)
+    cluster = _cluster(nodes=16, ranks_per_node=8, codec_throughput={
+        "int8": CodecThroughput(quantize=1e11, dequantize=1e11), "int4": CodecThroughput(quantize=1e11, dequantize=1e11)})
+    int8_dispatch = ROOT / "configs/policies/moe/zeropp-int8-dispatch.yaml"
+    inside = predict(cluster, workload, "zeropp")
+    assert inside.bytes["ep.dispatch"].inter == 0 and inside.bytes["ep.dispatch"].intra > 0
+    assert inside.bytes["dp.grad"].inter > 0  # the expert-data-parallel group crosses nodes
+    across = dataclasses.replace(cluster, nodes=32, ranks_per_node=4)
+    plain, coded = predict(across, workload, "zeropp"), predict(across, workload, str(int8_dispatch))
+    assert plain.bytes["ep.dispatch"].inter > 0
+    ratio = coded.bytes["ep.dispatch"].inter / plain.bytes["ep.dispatch"].inter
+    assert abs(ratio - (1 + 4 / 128) / 2) < 0.01, ratio
+    assert coded.bytes["ep.combine"] == plain.bytes["ep.combine"]  # combine stays in bf16
+    assert coded.step_time_s < plain.step_time_s  # on a 1 GB/s per-node link the dispatch bytes dominate
+    with pytest.raises(ValueError, match="layout ep=16 needs a MoE model whose num_experts .8. it divides"):
+        predict(cluster, dataclasses.replace(workload, layout=dataclasses.replace(workload.layout, ep=16)), "zeropp")

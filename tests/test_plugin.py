@@ -13,6 +13,7 @@ import pytest
 import plugin_checks as checks
 from megatron_zpp.megatron import install_from_args, zpp_extra_args_provider
 from megatron_zpp.testing import run_distributed
+from megatron_zpp.policy import EP_DIMENSIONS
 
 # A Megatron-LM command line (docs/megatron-lm.md), without the --zpp-* flags.
 MEGATRON_LM = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -74,7 +75,8 @@ def test_megatron_lm_parser_resolves_and_installs_the_policy(monkeypatch):
         assert hooks.policy.name == "zeropp"
         canonical = ",rounding=nearest,seed=0"  # resolved specs spell out the codec's defaults
         assert hooks.policy.codecs == {"dp.grad": "int4:block=64" + canonical, "dp.param": "int8:block=256" + canonical,
-                                       "tp": "none", "pp": "int8:block=256" + canonical}, hooks.policy.codecs
+                                       "tp": "none", "pp": "int8:block=256" + canonical,
+                                       **{d: "none" for d in EP_DIMENSIONS}}, hooks.policy.codecs
         assert all(inspect.getattr_static(group, n) is not f for n, f in before.items())
         assert p2p._batched_p2p_ops is not p2p_before
     finally:

@@ -30,7 +30,11 @@ seed-to-seed spread, and plots the validation curves with the spread shaded. Eac
 added to ``<out-dir>/convergence-sdp4bit-<model>-<steps>it-<machine>.json`` as it ends, so a stopped study
 resumes where it was (the same command again) and ``--report`` prints the table from the runs so far.
 
-    python tools/convergence.py [--study zeropp|hybrid|sdp4bit] [--steps 300] [--seeds 3] [--out-dir docs]
+``--study moe`` (issue 25): the same seeded, resumable study on the MoE GPT (``--model moe``: 4 layers, 8 experts,
+top-2, expert parallelism 2 with the alltoall dispatcher): `none`, `zeropp` (dense and expert parameters), INT8
+token dispatch (``--zpp-ep-dispatch int8:block=128``), and both.
+
+    python tools/convergence.py [--study zeropp|hybrid|sdp4bit|moe] [--steps 300] [--seeds 3] [--out-dir docs]
 """
 
 from __future__ import annotations
@@ -87,12 +91,26 @@ STRESS_RUNS = {
                                              "--zpp-dp-grad", "int4:block=128"],
     "stress: none": ["--zpp-policy", "none"],
 }
+# Issue 25: the MoE GPT (alltoall dispatcher, EP=2) under none, zeropp on dense and expert parameters, and INT8
+# token dispatch (DeepSeek-V3's idea: lossy dispatch, combine exact).
+MOE_RUNS = {
+    "none": ["--zpp-policy", "none"],
+    "zeropp": ["--zpp-policy", "zeropp"],
+    "int8 dispatch": ["--zpp-policy", "none", "--zpp-ep-dispatch", "int8:block=128"],
+    "zeropp + int8 dispatch": ["--zpp-policy", "zeropp", "--zpp-ep-dispatch", "int8:block=128"],
+}
+SEEDED_STUDIES = {"sdp4bit": SDP4BIT_RUNS, "moe": MOE_RUNS}  # study -> runs (the resumable, seeded studies)
 MODELS = {
     # make train's model (Makefile TRAIN_ARGS), fp32
     "train": ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
               "--micro-batch-size", "4", "--global-batch-size", "32", "--lr", "1e-3"],
     "small": ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
               "--micro-batch-size", "4", "--global-batch-size", "16", "--lr", "1e-3"],
+    # issue 25's MoE GPT: 4 layers, 8 experts, top-2, EP=2 (expert-data-parallel 2 on 4 ranks), alltoall dispatcher
+    "moe": ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
+            "--micro-batch-size", "4", "--global-batch-size", "16", "--lr", "1e-3", "--num-experts", "8",
+            "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+            "--moe-aux-loss-coeff", "1e-2"],
 }
 
 
@@ -108,14 +126,14 @@ def sdp4bit_args(model: str, steps: int, seed: int, eval_every: int, ranks_per_n
 
 
 def _sdp4bit_worker(model: str, steps: int, seeds: int, eval_every: int, ranks_per_node: int, stress: bool,
-                    runs: list[str], results_path: str, done: list[list], commit: str) -> None:
+                    runs: list[str], results_path: str, done: list[list], commit: str, study: str = "sdp4bit") -> None:
     """Runs every (run, seed) pair not in ``done``, seed-major (so a partial study has every run at its first
     seeds), and after each one rank 0 adds its record to ``results_path``: a study that is stopped resumes."""
     import torch.distributed as dist
 
     from megatron_zpp.training.trainer import pretrain
 
-    plans = [(name, flags, 1.0) for name, flags in SDP4BIT_RUNS.items() if name in runs]
+    plans = [(name, flags, 1.0) for name, flags in SEEDED_STUDIES[study].items() if name in runs]
     if stress:
         plans += [(name, flags, 4.0) for name, flags in STRESS_RUNS.items()]
     finished = {(name, seed) for name, seed in done}
@@ -136,14 +154,14 @@ def _sdp4bit_worker(model: str, steps: int, seeds: int, eval_every: int, ranks_p
                 _add_record(Path(results_path), name, record)
 
 
-def _study_path(out_dir: Path, model: str, steps: int) -> Path:
+def _study_path(out_dir: Path, model: str, steps: int, study: str = "sdp4bit") -> Path:
     # No date in the name: the file accumulates runs over days (each record has its date and commit).
-    return out_dir / f"convergence-sdp4bit-{model}-{steps}it-{machine_name()}.json"
+    return out_dir / f"convergence-{study}-{model}-{steps}it-{machine_name()}.json"
 
 
-def _load_study(path: Path, model: str, steps: int) -> dict:
+def _load_study(path: Path, model: str, steps: int, study: str = "sdp4bit") -> dict:
     if not path.exists():
-        return {"study": "sdp4bit", "model": model, "steps": steps, "results": {}}
+        return {"study": study, "model": model, "steps": steps, "results": {}}
     data = json.loads(path.read_text())
     if (data.get("model"), data.get("steps")) != (model, steps):
         raise SystemExit(f"{path} holds model {data.get('model')!r}, {data.get('steps')} iterations; this call asks "
@@ -159,18 +177,19 @@ def _add_record(path: Path, name: str, record: dict) -> None:
     tmp.replace(path)  # atomic: a killed study never leaves a torn file
 
 
-def sdp4bit_main(args) -> None:
+def seeded_main(args) -> None:
     import statistics
 
-    runs = list(SDP4BIT_RUNS) if args.runs is None else args.runs.split(",")
-    unknown = [r for r in runs if r not in SDP4BIT_RUNS]
+    study_runs = SEEDED_STUDIES[args.study]
+    runs = list(study_runs) if args.runs is None else args.runs.split(",")
+    unknown = [r for r in runs if r not in study_runs]
     if unknown or "none" not in runs:
-        raise SystemExit(f"--runs {args.runs!r}: valid runs: {', '.join(SDP4BIT_RUNS)} (none is required: the "
+        raise SystemExit(f"--runs {args.runs!r}: valid runs: {', '.join(study_runs)} (none is required: the "
                          "gaps are against it)")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = _study_path(out_dir, args.model, args.steps)
-    data = _load_study(path, args.model, args.steps)
+    path = _study_path(out_dir, args.model, args.steps, args.study)
+    data = _load_study(path, args.model, args.steps, args.study)
     done = [[name, r["seed"]] for name, records in data["results"].items() for r in records]
     if not args.report:
         if not path.exists():
@@ -182,10 +201,10 @@ def sdp4bit_main(args) -> None:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).resolve().parents[1]).stdout.strip()
         run_distributed(_sdp4bit_worker, args.nproc, args.model, args.steps, args.seeds, args.eval_every,
-                        args.ranks_per_node, args.stress, runs, str(path), done, commit,
+                        args.ranks_per_node, args.stress, runs, str(path), done, commit, args.study,
                         ranks_per_node=args.ranks_per_node,
                         timeout_s=4 * 3600, wall_limit_s=12 * 3600)
-        data = _load_study(path, args.model, args.steps)
+        data = _load_study(path, args.model, args.steps, args.study)
     results = {name: sorted(recs, key=lambda r: r["seed"]) for name, recs in data["results"].items()}
     if "none" not in results:
         raise SystemExit(f"{path}: no `none` run yet, nothing to compare against")
@@ -193,7 +212,7 @@ def sdp4bit_main(args) -> None:
     base = finals["none"]
     base_mean = statistics.mean(base)
     spread = max(base) - min(base)
-    print(f"\nsdp4bit study ({path.name}): model {args.model}, {args.steps} iterations, distributed optimizer "
+    print(f"\n{args.study} study ({path.name}): model {args.model}, {args.steps} iterations, distributed optimizer "
           f"(fp32, both overlap flags), {args.nproc} ranks as {args.nproc // args.ranks_per_node} nodes x "
           f"{args.ranks_per_node}; final validation LM loss")
     print(f"`none`'s seed-to-seed spread (max - min): {spread:.5f} ({100 * spread / base_mean:.3f}%)")
@@ -226,7 +245,7 @@ def sdp4bit_main(args) -> None:
         ax.fill_between(its, lo, hi, color=line.get_color(), alpha=0.2)
     ax.set_xlabel("iteration")
     ax.set_ylabel("validation LM loss (mean over seeds, min-max shaded)")
-    ax.set_title(f"sdp4bit convergence, model {args.model}, {machine_name()}", fontsize=9)
+    ax.set_title(f"{args.study} convergence, model {args.model}, {machine_name()}", fontsize=9)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -267,11 +286,13 @@ def machine_name() -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--study", choices=sorted(STUDIES) + ["sdp4bit"], default="zeropp",
+    p.add_argument("--study", choices=sorted(STUDIES) + sorted(SEEDED_STUDIES), default="zeropp",
                    help="zeropp: ZeRO++ Table 5 on Megatron-FSDP; hybrid: the per-dimension presets on TP2 x DP2; "
-                        "sdp4bit: none / zeropp / sdp4bit and its halves over seeds (issue 23)")
+                        "sdp4bit: none / zeropp / sdp4bit and its halves over seeds (issue 23); moe: the MoE GPT "
+                        "under none / zeropp / INT8 token dispatch over seeds (issue 25)")
     p.add_argument("--seeds", type=int, default=3, help="sdp4bit: seeds per run")
-    p.add_argument("--model", choices=sorted(MODELS), default="train", help="sdp4bit: the model")
+    p.add_argument("--model", choices=sorted(MODELS), default=None,
+                   help="sdp4bit, moe: the model (default: train for sdp4bit, moe for moe)")
     p.add_argument("--eval-every", type=int, default=50, help="sdp4bit: iterations between validations")
     p.add_argument("--stress", action="store_true", help="sdp4bit: add the 4x learning-rate Hadamard pair")
     p.add_argument("--runs", default=None, help="sdp4bit: comma-separated subset of the runs (default: all five)")
@@ -284,10 +305,14 @@ def main() -> None:
     args = p.parse_args()
     if args.steps < 1:
         raise SystemExit("--steps must be positive")
-    if args.study == "sdp4bit":
+    if args.model is None:
+        args.model = "moe" if args.study == "moe" else "train"
+    if args.study in SEEDED_STUDIES:
         if args.seeds < 1 or args.eval_every < 1:
             raise SystemExit(f"--seeds {args.seeds} and --eval-every {args.eval_every} must be positive")
-        return sdp4bit_main(args)
+        if args.stress and args.study != "sdp4bit":
+            raise SystemExit("--stress is the sdp4bit study's run pair")
+        return seeded_main(args)
     _, goals, _, title = STUDIES[args.study]
     results = run_distributed(_worker, args.nproc, args.steps, args.ranks_per_node, args.study,
                               ranks_per_node=args.ranks_per_node, timeout_s=3600)[0]

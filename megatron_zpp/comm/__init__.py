@@ -19,6 +19,7 @@ gives the uncompressed algorithm, recorded the same way. Design notes: ``README.
 from megatron_zpp.comm.all_gather import (HeldShard, HpzShard, hpz_all_gather, hpz_weight_difference_all_gather,
                                          quantized_all_gather, weight_difference_all_gather)
 from megatron_zpp.comm.all_reduce import compressed_all_reduce
+from megatron_zpp.comm.all_to_all import compressed_all_to_all
 from megatron_zpp.comm.passthrough import record_torch_collective, torch_reduce_scatter
 from megatron_zpp.comm.reduce_scatter import qgz_reduce_scatter, ring_reduce_scatter
 from megatron_zpp.comm.scratch import release_buffers, scratch_pool_usage
@@ -37,6 +38,7 @@ __all__ = [
     "comm_stats",
     "comm_timers",
     "compressed_all_reduce",
+    "compressed_all_to_all",
     "hpz_all_gather",
     "hpz_weight_difference_all_gather",
     "qgz_reduce_scatter",

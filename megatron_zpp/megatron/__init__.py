@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megatron_zpp.megatron.flight_recorder import flight_recorder_default
 from megatron_zpp.megatron.hooks import MegatronHooks
-from megatron_zpp.policy import ConfigError, add_zpp_args, resolve_policy, zpp_config_from_args
+from megatron_zpp.policy import EP_DIMENSIONS, ConfigError, add_zpp_args, resolve_policy, zpp_config_from_args
 
 
 def zpp_extra_args_provider(parser):
@@ -37,6 +37,7 @@ def hooks_from_args(args) -> MegatronHooks:
     policy = resolve_policy(zpp_config_from_args(args))
     if policy.param_difference:
         check_weight_differences(args, policy.name, policy.hpz_size)
+    check_expert_parallel_codecs(args, policy)
 
     def megatron_lm_iteration() -> tuple[int, int | None]:
         # train_iters: set by Megatron-LM from --train-iters, or from --train-samples inside pretrain().
@@ -49,6 +50,25 @@ def hooks_from_args(args) -> MegatronHooks:
         model_parallel = model_parallel_codecs(parse_allow(auto_config_from_args(args).allow))
     return MegatronHooks(policy, ranks_per_node=args.zpp_ranks_per_node, iteration_source=megatron_lm_iteration,
                          model_parallel_codecs=model_parallel)
+
+
+def check_expert_parallel_codecs(args, policy) -> None:
+    """The ``ep`` codecs run on the alltoall token dispatcher (``expert_parallel.py``): refuse them, naming the
+    flags, without MoE, without expert parallelism to carry them, or with another dispatcher."""
+    chosen = [d for d in EP_DIMENSIONS if policy.codec(d) != "none"]
+    if not chosen:
+        return
+    flags = ", ".join(f"--zpp-{d.replace('.', '-')} {policy.codec(d)}" for d in chosen)
+    if getattr(args, "num_experts", None) is None:
+        raise ConfigError(f"{flags}: the ep codecs compress MoE token dispatch and combine; this model has no experts "
+                          "(--num-experts)")
+    dispatcher = getattr(args, "moe_token_dispatcher_type", "allgather")
+    if dispatcher != "alltoall":
+        raise ConfigError(f"{flags}: the ep codecs hook the alltoall token dispatcher; --moe-token-dispatcher-type is "
+                          f"{dispatcher}; valid with ep codecs: alltoall")
+    if getattr(args, "expert_model_parallel_size", 1) == 1:
+        raise ConfigError(f"{flags}: --expert-model-parallel-size 1 sends no tokens between ranks; give it > 1 or "
+                          "drop the ep codecs")
 
 
 def check_weight_differences(args, policy_name: str, hpz_size: int | None = None) -> None:
@@ -112,5 +132,5 @@ def install_from_args(args) -> MegatronHooks:
     return hooks.install()
 
 
-__all__ = ["MegatronHooks", "check_transformer_impl", "check_weight_differences", "hooks_from_args", "install_from_args",
+__all__ = ["MegatronHooks", "check_expert_parallel_codecs", "check_transformer_impl", "check_weight_differences", "hooks_from_args", "install_from_args",
            "zpp_extra_args_provider"]

@@ -292,6 +292,11 @@ class MegatronHooks(DdpRouting, FsdpRouting):
         # Installed but not in the policy (auto's choices): off until switch_policy turns it on.
         self._model_parallel.off = {d for d in ("tp", "pp") if self.policy.codec(d) == "none"}
         self._model_parallel.install()
+        from megatron_zpp.megatron.expert_parallel import ExpertParallelHooks
+
+        # MoE: every token dispatch / combine reads its codec here when it starts (suspension and switches apply).
+        self._expert_parallel = ExpertParallelHooks(self.codec, self.ranks_per_node)
+        self._expert_parallel.install()
 
     def _time_waits(self, cls, names: tuple[str, ...]) -> None:
         """Add the host time of ``cls``'s methods ``names`` (Megatron's own waits on its data-parallel
@@ -372,6 +377,9 @@ class MegatronHooks(DdpRouting, FsdpRouting):
         if getattr(self, "_model_parallel", None) is not None:
             self._model_parallel.uninstall()
             self._model_parallel = None
+        if getattr(self, "_expert_parallel", None) is not None:
+            self._expert_parallel.uninstall()
+            self._expert_parallel = None
         self.installed = False
         global _ACTIVE
         if _ACTIVE is self:

@@ -260,3 +260,21 @@ def p2p(cluster: ClusterSpec, crosses_nodes: bool, senders_per_node: int, numel:
         bandwidth = min(cluster.intra_bandwidth, cluster.inter_bandwidth / senders_per_node)
         return Cost(cluster.inter_alpha + payload / bandwidth, codec, 0, payload)
     return Cost(cluster.intra_alpha + payload / cluster.intra_bandwidth, codec, payload, 0)
+
+
+def token_all_to_all(cluster: ClusterSpec, group: Group, chunk_numel: int, spec: str, dtype_bytes: int) -> Cost:
+    """MoE token dispatch or combine (``comm.compressed_all_to_all``): every member sends ``chunk_numel``
+    elements to every other member (uniform routing), each chunk one payload of ``spec``; its own rows stay.
+    Same-node and cross-node chunks travel at once: the slower tier bounds the call."""
+    if group.size == 1 or chunk_numel == 0:
+        return Cost()
+    payload = wire_bytes(spec, chunk_numel, dtype_bytes, cluster)
+    if spec != "none":
+        payload = -(-payload // 16) * 16  # each payload's slot is padded to 16 bytes (comm.any_codec.ALIGN)
+    inter_peers = group.size - group.node_size
+    intra_peers = group.node_size - 1
+    wire = max(_a2a_intra(cluster, intra_peers, intra_peers * payload) if intra_peers else 0.0,
+               _a2a_inter(cluster, group, inter_peers, inter_peers * payload, group.node_size) if inter_peers else 0.0)
+    raw = (group.size - 1) * chunk_numel * dtype_bytes
+    return Cost(wire, _codec_time(cluster, spec, raw, raw), group.size * intra_peers * payload,
+                group.size * inter_peers * payload)

@@ -19,7 +19,9 @@ from megatron_zpp.perfmodel.collectives import Cost, Group
 from megatron_zpp.perfmodel.specs import ClusterSpec, WorkloadSpec
 from megatron_zpp.policy import Policy, ZppConfig, available_presets, resolve_policy
 
-TAGS = ("dp.grad", "dp.param", "dp.param.bwd", "tp", "pp")  # megatron_zpp.megatron.hooks' byte-accounting tags
+# megatron_zpp.megatron.hooks' byte-accounting tags
+TAGS = ("dp.grad", "dp.param", "dp.param.bwd", "tp", "pp", "ep.dispatch", "ep.dispatch.grad", "ep.combine",
+        "ep.combine.grad")
 # Policies the model knows by name besides the YAML presets: the two baselines and ZeRO++'s parts alone
 # (their codecs and hpZ size taken from the zeropp preset, the one source of truth).
 BUILTIN_POLICIES = ("megatron", "fair", "qwz", "hpz", "qgz", "qwd")
@@ -43,6 +45,9 @@ class ModelledPolicy:
     (Megatron's baseline). True: they run the project's uncompressed algorithms (hierarchical 2-hop
     reduce-scatter, ring all-gather), the fair baseline compression is measured against; the policy's
     ``dp_uncompressed: hierarchical`` (the ``fair`` preset) means the same."""
+
+
+_FROM_FILES: dict[str, ModelledPolicy] = {}  # policies resolved from a YAML path, by name
 
 
 def resolve(policy: str | Policy | ModelledPolicy) -> ModelledPolicy:
@@ -80,7 +85,12 @@ def resolve(policy: str | Policy | ModelledPolicy) -> ModelledPolicy:
         return builtin[policy]()
     if policy in available_presets() or Path(policy).suffix in (".yaml", ".yml"):
         resolved = resolve_policy(ZppConfig(policy=policy))
-        return _modelled(resolved.name, resolved)
+        modelled = _modelled(resolved.name, resolved)
+        if policy not in available_presets():
+            _FROM_FILES[resolved.name] = modelled  # a prediction names it by its file's stem: resolvable by that
+        return modelled
+    if policy in _FROM_FILES:
+        return _FROM_FILES[policy]
     raise ValueError(f"unknown policy {policy!r}; valid: {', '.join(BUILTIN_POLICIES + tuple(available_presets()))} "
                      "or a policy .yaml file")
 
@@ -99,6 +109,9 @@ class TagBytes:
 
     intra: int = 0
     inter: int = 0
+
+    def scaled(self, k: int) -> TagBytes:
+        return TagBytes(self.intra * k, self.inter * k)
 
 
 @dataclass
@@ -166,24 +179,53 @@ def padded_vocab(workload: WorkloadSpec) -> int:
 
 
 def layer_params(workload: WorkloadSpec) -> int:
-    """One transformer layer: QKV + projection + two MLP matrices, their biases, two LayerNorms."""
+    """One dense transformer layer: QKV + projection + two MLP matrices, their biases, two LayerNorms."""
     h, f = workload.model.hidden, workload.model.ffn_hidden
     return 4 * h * h + 2 * h * f + 9 * h + f
 
 
-def total_params(workload: WorkloadSpec) -> int:
-    """All parameters (embeddings tied with the output layer, as Megatron's GPT by default)."""
+def expert_params(workload: WorkloadSpec) -> int:
+    """One expert (an MLP of moe_ffn_hidden, with biases)."""
+    h, f = workload.model.hidden, workload.model.moe_ffn_hidden
+    return 2 * h * f + f + h
+
+
+def moe_layer_dense_params(workload: WorkloadSpec) -> int:
+    """A MoE layer's parameters outside its experts: attention, norms, the router (h x experts)."""
+    h = workload.model.hidden
+    return 4 * h * h + 8 * h + h * workload.model.num_experts
+
+
+def dense_and_expert_params(workload: WorkloadSpec) -> tuple[int, int]:
+    """(parameters reduced over the data-parallel group, expert parameters over the expert-data-parallel one)."""
     m = workload.model
     positions = m.seq_length * m.hidden if m.learned_position_embeddings else 0
-    return m.layers * layer_params(workload) + padded_vocab(workload) * m.hidden + positions + 2 * m.hidden
+    moe = m.moe_layers
+    dense = ((m.layers - moe) * layer_params(workload) + (moe * moe_layer_dense_params(workload) if moe else 0)
+             + padded_vocab(workload) * m.hidden + positions + 2 * m.hidden)
+    return dense, (moe * m.num_experts * expert_params(workload) if moe else 0)
+
+
+def total_params(workload: WorkloadSpec) -> int:
+    """All parameters (embeddings tied with the output layer, as Megatron's GPT by default)."""
+    return sum(dense_and_expert_params(workload))
 
 
 def forward_flops(workload: WorkloadSpec) -> tuple[float, float]:
-    """(one layer, the output logits) forward FLOPs of one micro-batch (Narayanan et al.: 2 FLOPs per MAC,
-    attention scores and values 4 b s^2 h)."""
+    """(one layer, averaged over the dense and MoE layers; the output logits) forward FLOPs of one micro-batch
+    (Narayanan et al.: 2 FLOPs per MAC, attention scores and values 4 b s^2 h; a MoE layer: its router and top-k
+    experts per token)."""
     m, b = workload.model, workload.layout.micro_batch
     tokens = b * m.seq_length
-    layer = 2 * tokens * (4 * m.hidden ** 2 + 2 * m.hidden * m.ffn_hidden) + 4 * b * m.seq_length ** 2 * m.hidden
+    attention = 2 * tokens * 4 * m.hidden ** 2 + 4 * b * m.seq_length ** 2 * m.hidden
+    dense = attention + 2 * tokens * 2 * m.hidden * m.ffn_hidden
+    moe = m.moe_layers
+    if moe:
+        routed = attention + 2 * tokens * m.hidden * m.num_experts \
+            + m.moe_topk * 2 * tokens * 2 * m.hidden * m.moe_ffn_hidden
+        layer = ((m.layers - moe) * dense + moe * routed) / m.layers
+    else:
+        layer = dense
     return layer, 2 * tokens * m.hidden * padded_vocab(workload)
 
 
@@ -206,9 +248,15 @@ def parallel_groups(cluster: ClusterSpec, workload: WorkloadSpec) -> dict[str, G
     if t * d * p != cluster.world_size:
         raise ValueError(f"layout tp x dp x pp = {t} x {d} x {p} = {t * d * p} but cluster {cluster.name!r} has "
                          f"{cluster.nodes} x {cluster.ranks_per_node} = {cluster.world_size} ranks")
-    return {"tp": C.make_group(list(range(t)), g, d * p),
-            "dp": C.make_group([t * j for j in range(d)], g, t * p),
-            "pp": C.make_group([t * d * j for j in range(p)], g, t * d)}
+    groups = {"tp": C.make_group(list(range(t)), g, d * p),
+              "dp": C.make_group([t * j for j in range(d)], g, t * p),
+              "pp": C.make_group([t * d * j for j in range(p)], g, t * d)}
+    # MoE (expert tensor parallelism 1): Megatron's expert rank order puts ep innermost, then expert-dp.
+    e = lay.ep
+    edp = t * d // e
+    groups["ep"] = C.make_group(list(range(e)), g, edp * p)
+    groups["edp"] = C.make_group([e * j for j in range(edp)], g, e * p)
+    return groups
 
 
 def _phase(gamma: float, compute: float, head: float, body: float, tail: float, overlap: bool) -> float:
@@ -252,6 +300,8 @@ def _predict(cluster: ClusterSpec, workload: WorkloadSpec, mp: ModelledPolicy) -
     lay, model, pol = workload.layout, workload.model, mp.policy
     if model.hidden % lay.tp or model.layers % lay.pp:
         raise ValueError(f"hidden={model.hidden} must divide by tp={lay.tp} and layers={model.layers} by pp={lay.pp}")
+    if lay.ep > 1 and (model.num_experts is None or model.num_experts % lay.ep):
+        raise ValueError(f"layout ep={lay.ep} needs a MoE model whose num_experts ({model.num_experts}) it divides")
     groups = parallel_groups(cluster, workload)
     m, layers = lay.microbatches, model.layers // lay.pp
     tag_costs: dict[str, Cost] = {tag: Cost() for tag in TAGS}  # one group's costs per iteration
@@ -259,7 +309,7 @@ def _predict(cluster: ClusterSpec, workload: WorkloadSpec, mp: ModelledPolicy) -
     # Compute per micro-batch per stage (uniform split across stages; logits spread evenly too).
     layer_flops, logits_flops = forward_flops(workload)
     measured = [x for x in cluster.measured_layers if (x.hidden, x.seq_length, x.micro_batch, x.tp)
-                == (model.hidden, model.seq_length, lay.micro_batch, lay.tp)]
+                == (model.hidden, model.seq_length, lay.micro_batch, lay.tp) and not model.moe_layers]
     if measured:
         layer_f, layer_b = measured[0].fwd_bwd_s / 3, 2 * measured[0].fwd_bwd_s / 3  # backward ~ 2x forward
     else:
@@ -270,7 +320,7 @@ def _predict(cluster: ClusterSpec, workload: WorkloadSpec, mp: ModelledPolicy) -
     math_b = layers * (layer_b + (layer_f if lay.activation_recompute else 0)) + 2 * logits_f
     whole = [x for x in cluster.measured_iterations
              if (x.layers, x.hidden, x.seq_length, x.micro_batch, x.vocab)
-             == (model.layers, model.hidden, model.seq_length, lay.micro_batch, model.vocab)]
+             == (model.layers, model.hidden, model.seq_length, lay.micro_batch, model.vocab) and not model.moe_layers]
     if whole and lay.tp == lay.pp == 1 and not lay.activation_recompute:
         # A measured micro-batch of this very model: logits, loss and framework overhead included.
         math_f, math_b = whole[0].fwd_bwd_s / 3, 2 * whole[0].fwd_bwd_s / 3
@@ -286,7 +336,21 @@ def _predict(cluster: ClusterSpec, workload: WorkloadSpec, mp: ModelledPolicy) -
         n_f, n_b = 2 * layers, (2 + (2 if lay.activation_recompute else 0)) * layers
         tp_f, tp_b = n_f * ar.total_s, n_b * ar.total_s
         tag_costs["tp"] = ar.scaled((n_f + n_b) * m)
-    fwd, bwd = math_f + tp_f, math_b + tp_b
+    # Expert parallelism: per MoE layer and micro-batch, the token dispatch and combine all-to-alls forward and
+    # their two backward ones, each a chunk of tokens x top-k x h / ep per peer (uniform routing; sequence-
+    # parallel tokens with TP), on the compute path (not overlapped: Megatron's dispatcher waits for them).
+    ep_f = ep_b = 0.0
+    moe_here = model.moe_layers / lay.pp  # MoE layers per stage (uniform split)
+    if moe_here and lay.ep > 1:
+        tokens = math.ceil(lay.micro_batch * model.seq_length / lay.tp)
+        chunk = math.ceil(tokens * model.moe_topk * model.hidden / lay.ep)
+        ep = {site: C.token_all_to_all(cluster, groups["ep"], chunk, pol.codec(site), lay.param_bytes)
+              for site in ("ep.dispatch", "ep.dispatch.grad", "ep.combine", "ep.combine.grad")}
+        ep_f = moe_here * (ep["ep.dispatch"].total_s + ep["ep.combine"].total_s)
+        ep_b = moe_here * (ep["ep.dispatch.grad"].total_s + ep["ep.combine.grad"].total_s)
+        for site, cost in ep.items():
+            tag_costs[site] = cost.scaled(moe_here * m)
+    fwd, bwd = math_f + tp_f + ep_f, math_b + tp_b + ep_b
 
     # Pipeline: 1F1B bubble and one p2p per micro-batch slot each way, not hidden.
     pp_s = 0.0
@@ -304,43 +368,57 @@ def _predict(cluster: ClusterSpec, workload: WorkloadSpec, mp: ModelledPolicy) -
     if pol.param_difference and lay.zero_mode != "distopt":
         raise ValueError(f"policy {mp.name!r} gathers weight differences (qWD), which runs on the distributed "
                          f"optimizer only; the workload's zero_mode is {lay.zero_mode!r} (valid: distopt)")
-    dp_group = groups["dp"]
-    local_params = math.ceil(total_params(workload) / (lay.tp * lay.pp))
+    dense_params, moe_params = dense_and_expert_params(workload)
+    # (bucket sizes, group) per kind: the dense parameters over the data-parallel group, MoE's expert parameters
+    # (ep of them per stage) in their own buckets over the expert-data-parallel group.
+    kinds = [(math.ceil(dense_params / (lay.tp * lay.pp)), groups["dp"])]
+    if moe_params:
+        kinds.append((math.ceil(moe_params / (lay.ep * lay.pp)), groups["edp"]))
     bucket = lay.bucket_size or (math.ceil(layer_params(workload) / lay.tp) if lay.zero_mode == "fsdp"
                                  else max(40_000_000, 1_000_000 * lay.dp))  # Megatron's default
-    k = math.ceil(local_params / bucket)
-    sizes = [bucket] * (k - 1) + [local_params - (k - 1) * bucket]
+    buckets = []  # (parameters, group)
+    for params, group in kinds:
+        k = math.ceil(params / bucket)
+        buckets += [(n, group) for n in [bucket] * (k - 1) + [params - (k - 1) * bucket]]
     grad_spec, param_spec = pol.codec("dp.grad"), pol.codec("dp.param")
     stages = pol.qgz_stages
 
-    def shard(numel: int) -> int:
-        return ceil_div(numel, lay.dp)
+    def shard(numel: int, group) -> int:
+        return ceil_div(numel, group.size)
 
-    def grad_cost(numel: int) -> Cost:
+    def grad_cost(numel: int, group) -> Cost:
         torch_path = grad_spec == "none" and not mp.fair
         if lay.zero_mode == "ddp":
             if torch_path:
-                return C.torch_all_reduce(cluster, dp_group, shard(numel), lay.grad_bytes)
-            return C.compressed_all_reduce(cluster, dp_group, numel, grad_spec, pol.dp_grad_intra, stages,
+                return C.torch_all_reduce(cluster, group, shard(numel, group), lay.grad_bytes)
+            return C.compressed_all_reduce(cluster, group, numel, grad_spec, pol.dp_grad_intra, stages,
                                            lay.grad_bytes)
         if torch_path:
-            return C.torch_reduce_scatter(cluster, dp_group, shard(numel), lay.grad_bytes)
-        return C.hierarchical_reduce_scatter(cluster, dp_group, shard(numel), grad_spec, pol.dp_grad_intra, stages,
-                                             lay.grad_bytes)
+            return C.torch_reduce_scatter(cluster, group, shard(numel, group), lay.grad_bytes)
+        return C.hierarchical_reduce_scatter(cluster, group, shard(numel, group), grad_spec, pol.dp_grad_intra,
+                                             stages, lay.grad_bytes)
 
-    def param_cost(numel: int, backward: bool) -> Cost:
+    def param_cost(numel: int, group, backward: bool) -> Cost:
         if backward and pol.hpz_size != 1:
-            hpz = dp_group.node_size if pol.hpz_size is None else pol.hpz_size
-            return C.hpz_gather(cluster, dp_group, hpz, shard(numel), param_spec, lay.param_bytes)
-        return C.all_gather(cluster, dp_group, shard(numel), param_spec, lay.param_bytes)
+            hpz = group.node_size if pol.hpz_size is None else min(pol.hpz_size, group.node_size)
+            return C.hpz_gather(cluster, group, hpz, shard(numel, group), param_spec, lay.param_bytes)
+        return C.all_gather(cluster, group, shard(numel, group), param_spec, lay.param_bytes)
+
+    def job_bytes(costs: list[Cost]) -> TagBytes:
+        """Bytes of the whole job: each bucket's group's bytes times the groups of its kind."""
+        return TagBytes(sum(c.intra_bytes * grp.count for c, (_, grp) in zip(costs, buckets)),
+                        sum(c.inter_bytes * grp.count for c, (_, grp) in zip(costs, buckets)))
 
     g = cluster.gamma
-    rs = [grad_cost(n) for n in sizes]
+    rs = [grad_cost(n, grp) for n, grp in buckets]
+    dp_job: dict[str, TagBytes] = {"dp.grad": job_bytes(rs)}
     rs_overlaps = lay.overlap_grad_reduce and (lay.compressed_reduce_overlaps or grad_spec == "none"
                                                or lay.zero_mode != "fsdp")
     if lay.zero_mode == "fsdp":  # every micro-batch: gather forward, gather backward, reduce-scatter
-        ag = [param_cost(n, False) for n in sizes]
-        agb = [param_cost(n, True) for n in sizes]
+        ag = [param_cost(n, grp, False) for n, grp in buckets]
+        agb = [param_cost(n, grp, True) for n, grp in buckets]
+        dp_job.update({"dp.param": job_bytes(ag).scaled(m), "dp.param.bwd": job_bytes(agb).scaled(m),
+                       "dp.grad": job_bytes(rs).scaled(m)})
         f_ph = _phase(g, fwd, ag[0].total_s, _sum(ag[1:]).total_s, 0.0, lay.overlap_param_gather)
         opg = lay.overlap_param_gather
         head = agb[0].total_s if opg else _sum(agb).total_s
@@ -354,19 +432,22 @@ def _predict(cluster: ClusterSpec, workload: WorkloadSpec, mp: ModelledPolicy) -
         dp_extra = _phase(g, bwd, 0.0, _sum(rs[:-1]).total_s, rs[-1].total_s, rs_overlaps) - bwd
         tag_costs["dp.grad"] = _sum(rs)
         if lay.zero_mode == "distopt":
-            ag = [param_cost(n, False) for n in sizes]
+            ag = [param_cost(n, grp, False) for n, grp in buckets]
+            dp_job["dp.param"] = job_bytes(ag)
             dp_extra += _phase(g, fwd, ag[0].total_s, _sum(ag[1:]).total_s, 0.0, lay.overlap_param_gather) - fwd
             tag_costs["dp.param"] = _sum(ag)
 
     dp_all = _sum([tag_costs[t] for t in ("dp.grad", "dp.param", "dp.param.bwd")])
     codec_share = dp_all.codec_s / dp_all.total_s if dp_all.total_s else 0.0
-    params_per_rank = local_params / (1 if lay.zero_mode == "ddp" else lay.dp)
+    params_per_rank = sum(n / (1 if lay.zero_mode == "ddp" else grp.size) for n, grp in
+                          zip([n for n, _ in kinds], [grp for _, grp in kinds]))
     optimizer = params_per_rank / cluster.optimizer_params_per_s + cluster.optimizer_overhead_s
 
     compute = m * (math_f + math_b)
     step = compute + m * (tp_f + tp_b) + bubble + pp_s + dp_extra + optimizer
     tokens = lay.global_batch * model.seq_length
-    bytes_ = {t: TagBytes(c.intra_bytes * groups[t.split(".")[0]].count, c.inter_bytes * groups[t.split(".")[0]].count)
+    bytes_ = {t: dp_job.get(t) or TagBytes(c.intra_bytes * groups[t.split(".")[0]].count,
+                                           c.inter_bytes * groups[t.split(".")[0]].count)
               for t, c in tag_costs.items()}
     return Prediction(
         policy=mp.name, cluster=cluster.name, workload=workload.name, step_time_s=step, compute_s=compute,

@@ -203,14 +203,36 @@ class ModelSpec:
     """MLP hidden size; default 4h."""
     learned_position_embeddings: bool = True
     """True: an s x h position table (GPT-2/3, Megatron's default); false: rotary (no parameters)."""
+    num_experts: int | None = None
+    """Mixture of Experts: experts per MoE layer (Megatron's --num-experts); None: a dense model."""
+    moe_topk: int = 2
+    """Experts each token is routed to (--moe-router-topk)."""
+    moe_ffn_hidden: int | None = None
+    """Each expert's FFN hidden size (--moe-ffn-hidden-size); default ffn_hidden."""
+    moe_layer_freq: int = 1
+    """A MoE layer every this many layers, from the first (--moe-layer-freq N); the others are dense."""
 
     def __post_init__(self) -> None:
-        for name in ("layers", "hidden", "heads", "seq_length", "vocab", "make_vocab_size_divisible_by"):
+        for name in ("layers", "hidden", "heads", "seq_length", "vocab", "make_vocab_size_divisible_by",
+                     "moe_topk", "moe_layer_freq"):
             _positive(f"model {name}", getattr(self, name))
         if self.hidden % self.heads:
             raise ValueError(f"model hidden={self.hidden} is not divisible by heads={self.heads}")
         if self.ffn_hidden is None:
             self.ffn_hidden = 4 * self.hidden
+        if self.num_experts is not None:
+            _positive("model num_experts", self.num_experts)
+            if self.moe_topk > self.num_experts:
+                raise ValueError(f"model moe_topk={self.moe_topk} exceeds num_experts={self.num_experts}")
+            if self.moe_ffn_hidden is None:
+                self.moe_ffn_hidden = self.ffn_hidden
+
+    @property
+    def moe_layers(self) -> int:
+        """MoE layers of the model (0 for a dense one)."""
+        if self.num_experts is None:
+            return 0
+        return sum(1 for i in range(self.layers) if i % self.moe_layer_freq == 0)
 
 
 @dataclass(kw_only=True)
@@ -225,6 +247,9 @@ class LayoutSpec:
     """Tensor-parallel size (innermost in the rank order, as in Megatron: tp, dp, pp)."""
     pp: int = 1
     """Pipeline-parallel size (outermost); 1F1B schedule."""
+    ep: int = 1
+    """MoE expert-parallel size: the experts divided over ep ranks (innermost in the expert rank order, expert
+    tensor parallelism 1); expert weights replicated over tp x dp / ep ranks (the expert-data-parallel group)."""
     dp: int
     """Data-parallel size; tp * pp * dp must equal the cluster's world size."""
     param_bytes: int = 2
@@ -250,8 +275,11 @@ class LayoutSpec:
     issued synchronously, so it is not hidden behind the backward pass."""
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch", "global_batch", "tp", "pp", "dp"):
+        for name in ("micro_batch", "global_batch", "tp", "pp", "dp", "ep"):
             _positive(f"layout {name}", getattr(self, name))
+        if (self.tp * self.dp) % self.ep:
+            raise ValueError(f"layout ep={self.ep} must divide tp x dp = {self.tp * self.dp} (the ranks of a pipeline "
+                             "stage)")
         _choice("layout zero_mode", self.zero_mode, ZERO_MODES)
         for name in ("param_bytes", "grad_bytes"):
             _choice(f"layout {name}", getattr(self, name), (2, 4))

@@ -8,7 +8,7 @@
 from megatron_zpp.policy.cli import add_dataclass_args, dataclass_from_args, field_docs
 from megatron_zpp.policy.config import ZppConfig
 from megatron_zpp.policy.errors import ConfigError
-from megatron_zpp.policy.policy import (DIMENSIONS, Policy, available_presets, check_policy_agreement,
+from megatron_zpp.policy.policy import (DIMENSIONS, EP_DIMENSIONS, Policy, available_presets, check_policy_agreement,
                                         check_policy_devices,
                                         resolve_policy)
 
@@ -23,5 +23,5 @@ def zpp_config_from_args(args) -> ZppConfig:
     return dataclass_from_args(ZppConfig, args, "zpp")
 
 
-__all__ = ["DIMENSIONS", "ConfigError", "Policy", "ZppConfig", "add_zpp_args", "available_presets",
+__all__ = ["DIMENSIONS", "EP_DIMENSIONS", "ConfigError", "Policy", "ZppConfig", "add_zpp_args", "available_presets",
            "check_policy_agreement", "check_policy_devices", "field_docs", "resolve_policy", "zpp_config_from_args"]

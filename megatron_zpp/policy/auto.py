@@ -143,7 +143,8 @@ def candidates(allow: frozenset[str], *, zero_mode: str, tp: int, pp: int, ranks
                 for tcodec in mp["tp"]:
                     for pcodec_pp in mp["pp"]:
                         hpz = None if zero_mode == "fsdp" and pcodec != "none" and nodes_ranks > 1 else 1
-                        codecs = {"dp.grad": gcodec, "dp.param": pcodec, "tp": tcodec, "pp": pcodec_pp}
+                        # the ep dimension (MoE) stays as the user runs it: none (auto does not choose it)
+                        codecs = fair.codecs | {"dp.grad": gcodec, "dp.param": pcodec, "tp": tcodec, "pp": pcodec_pp}
                         name = _name(gname, pname, route, tcodec, pcodec_pp)
                         out.append(dataclasses.replace(
                             fair, name=name, codecs=codecs, dp_grad_intra=intra, hpz_size=hpz, ranks_per_node=ranks_per_node,

@@ -6,7 +6,8 @@ start-up to be identical on every rank.
 
 YAML keys::
 
-    codecs:            {dp.grad: SPEC, dp.param: SPEC, tp: SPEC, pp: SPEC}   (missing = none)
+    codecs:            {dp.grad: SPEC, dp.param: SPEC, tp: SPEC, pp: SPEC, ep.dispatch: SPEC,
+                        ep.dispatch.grad: SPEC, ep.combine: SPEC, ep.combine.grad: SPEC}   (missing = none)
     dp_grad_intra:     SPEC or null     qgZ intra-node hop codec (default: dp.grad's)
     hpz_size:          INT or "node"    hpZ secondary partition size (ZeRO-3 only; 1 = off)
     qgz_stages:        INT              pipelined hops (Algorithm 2)
@@ -33,7 +34,8 @@ from megatron_zpp.compression import get_codec
 from megatron_zpp.policy.config import ZppConfig
 from megatron_zpp.policy.errors import ConfigError
 
-DIMENSIONS = ("dp.grad", "dp.param", "tp", "pp")
+DIMENSIONS = ("dp.grad", "dp.param", "tp", "pp", "ep.dispatch", "ep.dispatch.grad", "ep.combine", "ep.combine.grad")
+EP_DIMENSIONS = DIMENSIONS[4:]  # MoE token dispatch / combine all-to-alls, forward and backward
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "policies"
 ZEROPP_WEIGHTS, ZEROPP_GRADS = "int8:block=256", "int4:block=128"
 _YAML_KEYS = ("codecs", "dp_grad_intra", "hpz_size", "qgz_stages", "dp_grad_until", "dp_uncompressed", "error_feedback",
@@ -154,7 +156,9 @@ def resolve_policy(config: ZppConfig) -> Policy:
     if data.get("zero_quantized_gradients"):
         codecs_raw.setdefault("dp.grad", ZEROPP_GRADS)
     hpz = data.get("hpz_size", data.get("zero_hpz_partition_size", 1))  # absent: hpZ off
-    overrides = {"dp.grad": config.dp_grad, "dp.param": config.dp_param, "tp": config.tp, "pp": config.pp}
+    overrides = {"dp.grad": config.dp_grad, "dp.param": config.dp_param, "tp": config.tp, "pp": config.pp,
+                 "ep.dispatch": config.ep_dispatch, "ep.dispatch.grad": config.ep_dispatch_grad,
+                 "ep.combine": config.ep_combine, "ep.combine.grad": config.ep_combine_grad}
     for dim, spec in overrides.items():
         if spec is not None:
             codecs_raw[dim] = spec
