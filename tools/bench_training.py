@@ -47,6 +47,12 @@ MODEL_ARGS = PROJECT_RECIPE + ["--num-layers", "4", "--hidden-size", "256", "--n
               # overlap): as a large model has, so gradient reduce-scatters overlap the backward pass and
               # parameter all-gathers the forward pass. Megatron-FSDP buckets per module and ignores it.
               "--ddp-bucket-size", "500000"]
+# --moe (issue 25): the same GPT with every layer a MoE layer of 8 experts (FFN 512), top-2, expert parallelism 2,
+# the alltoall dispatcher: with --nodes 4 --ranks-per-node 1 both the token all-to-alls (EP groups {0,1}, {2,3})
+# and the expert weights' data-parallel group ({0,2}, {1,3}) cross nodes.
+MOE_ARGS = ["--num-experts", "8", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+            "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "1e-2", "--moe-ffn-hidden-size", "512"]
+MOE_ONLY = ("zeropp-int8-dispatch",)  # policies that need --moe
 PATHS = {
     "distopt": ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
     "fsdp": ["--use-megatron-fsdp", "--overlap-grad-reduce", "--overlap-param-gather"],
@@ -63,6 +69,8 @@ COMPONENTS = {
     "sdp4bit-grads": ["--zpp-policy", "sdp4bit", "--zpp-dp-param", "int8:block=256", "--no-zpp-dp-param-difference"],
     # issue 24: the measured choice (its calibration and decisions are charged to its iterations)
     "auto": ["--zpp-policy", "auto"],
+    # issue 25 (--moe): zeropp on dense and expert parameters plus INT8 token dispatch
+    "zeropp-int8-dispatch": ["--zpp-policy", "zeropp", "--zpp-ep-dispatch", "int8:block=128"],
 }
 DEFAULT_RATES = "25mbit,50mbit,100mbit,250mbit,1gbit,unshaped"
 FIELDS = ["path", "rate", "rate_bits_per_s", "policy", "iterations", "seconds_per_iteration", "tokens_per_s",
@@ -84,7 +92,7 @@ def policy_flags(name: str, ranks_per_node: int) -> list[str]:
 def all_policies() -> list[str]:
     from megatron_zpp.policy import available_presets
 
-    return list(COMPONENTS) + [p for p in available_presets() if p not in ("none", "fair")]
+    return [p for p in COMPONENTS if p not in MOE_ONLY] + [p for p in available_presets() if p not in ("none", "fair")]
 
 
 # ------------------------------------------------------------------ worker (runs under torchrun)
@@ -130,12 +138,14 @@ def predict_row(cluster_yaml: Path | None, path: str, rate_bps: float | None, po
 
 def launch(cluster, path: str, rate: str, policies: list[str], *, iters: int, log_dir: Path,
            log_interval: int | None = None, timeout: float = 3600, python: str = sys.executable,
-           verbose: bool = False, extra_flags: dict[str, list[str]] | None = None, on_line=None) -> tuple:
+           verbose: bool = False, extra_flags: dict[str, list[str]] | None = None, on_line=None,
+           model_extra: list[str] | None = None) -> tuple:
     """One ``torchrun`` launch on ``cluster`` at inter-node ``rate`` that trains each policy in turn.
 
     Returns ``(result, summaries)``: netemu's ``RunResult`` and ``{policy: run summary}`` for the
     policies that finished (a failed launch keeps those before the failure). ``extra_flags`` adds
-    trainer flags per policy. Node output goes to ``log_dir/log-{path}-{rate}.txt``.
+    trainer flags per policy, ``model_extra`` to every policy (``MOE_ARGS``). Node output goes to
+    ``log_dir/log-{path}-{rate}.txt``.
     """
     from netemu import free_port
 
@@ -146,7 +156,7 @@ def launch(cluster, path: str, rate: str, policies: list[str], *, iters: int, lo
     ranks_per_node = cluster.config.ranks_per_node
     script = [str(Path(__file__).resolve()), "--worker", str(work), "--policies", ",".join(policies),
               "--ranks-per-node", str(ranks_per_node), "--worker-args",
-              json.dumps(MODEL_ARGS + PATHS[path] + ["--train-iters", str(iters),
+              json.dumps(MODEL_ARGS + (model_extra or []) + PATHS[path] + ["--train-iters", str(iters),
                                                      "--log-interval", str(log_interval or iters)])]
     if extra_flags:
         script += ["--worker-extra", json.dumps(extra_flags)]
@@ -208,7 +218,8 @@ def run_sweep(a) -> Path:
                     print(f"\n=== {path}, inter-node {rate}: {', '.join(policies)}", flush=True)
                     t0 = time.monotonic()
                     _, summaries = launch(cluster, path, rate, policies, iters=a.iters, log_dir=out_dir,
-                                          timeout=a.timeout, python=a.python, verbose=a.verbose)
+                                          timeout=a.timeout, python=a.python, verbose=a.verbose,
+                                          model_extra=MOE_ARGS if a.moe else None)
                     for name, s in summaries.items():
                         row = summary_row(path, rate, name, s, a.cluster)
                         writer.writerow(row)
@@ -311,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
                                                     "qgz and every preset)")
     p.add_argument("--rates", default=DEFAULT_RATES, help="inter-node rates in tc units, or 'unshaped'")
     p.add_argument("--iters", type=int, default=8, help="training iterations per run (the first is not timed)")
+    p.add_argument("--moe", action="store_true",
+                   help="the MoE GPT (MOE_ARGS: 8 experts, top-2, EP=2, alltoall dispatcher); with --nodes 4 "
+                        "--ranks-per-node 1 its token all-to-alls cross nodes")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--out-dir", default=str(REPO / "docs" / "bench"))

@@ -7,9 +7,12 @@
 - the rows kept on this rank are copied exactly (no codec);
 - each destination's rows are one payload (a codec block may span row boundaries inside it, never two
   destinations), padded to a multiple of ``any_codec.ALIGN`` bytes so every received payload starts aligned;
-- fixed-size codecs (``int8``, ``int4``, ``zfp``): both sides know every payload's length from the split sizes;
-  variable-size codecs (``mpc``, ``zstd``, ``nvcomp``) exchange their lengths first (one int64 per member, one
-  host read per call) and are validated at decode: a corrupt payload raises ``PayloadError`` naming it;
+- fixed-size codecs (``int8``, ``int4``, ``zfp``): both sides know every payload's length from the split sizes,
+  and the call reads nothing back to the host;
+- variable-size codecs (``mpc``, ``zstd``, ``nvcomp``): their lengths are read from the container headers on the
+  device, exchanged (one int64 per member) and read to the host once; every received payload is decoded with its
+  validation deferred and the records of all of them read in one more host read at the end of the call: two host
+  reads per call. A corrupt payload raises ``PayloadError`` naming it, in the same call;
 - NaN and Inf travel: lossless codecs return them, blockwise and ZFP codecs decode a block holding one to NaN,
   so Megatron's found-inf check sees them.
 
@@ -28,6 +31,8 @@ from megatron_zpp.comm.any_codec import _SIZE_BYTES, _padded, slot_bytes
 from megatron_zpp.comm.stats import comm_stats, comm_timers
 from megatron_zpp.comm.topology import group_layout
 from megatron_zpp.compression import Packed, get_codec
+from megatron_zpp.compression.container import payload_lengths
+from megatron_zpp.compression.host_read import HostRead
 
 
 def _splits(splits, rows: int, size: int) -> list[int]:
@@ -49,9 +54,10 @@ def _split_bytes(nodes: tuple[int, ...], me: int, per_member: list[int]) -> tupl
 
 
 def compressed_all_to_all(input: torch.Tensor, output_splits, input_splits, group, codec: str, tag: str,
-                          ranks_per_node: int | None = None) -> torch.Tensor:
+                          ranks_per_node: int | None = None, calls: int = 1) -> torch.Tensor:
     """``input``'s rows exchanged over ``group`` (module docstring); returns the received rows in member order,
-    ``[sum(output_splits), *input.shape[1:]]``, in ``input``'s dtype. ``codec``: a spec (``none``: exact)."""
+    ``[sum(output_splits), *input.shape[1:]]``, in ``input``'s dtype. ``codec``: a spec (``none``: exact).
+    ``calls``: what the call adds to the tag's call count (0 for a companion exchange, e.g. routing weights)."""
     layout = group_layout(group, ranks_per_node)
     size, me, nodes = layout.size, layout.index, layout.member_nodes
     input = input.contiguous()
@@ -69,7 +75,7 @@ def compressed_all_to_all(input: torch.Tensor, output_splits, input_splits, grou
     if spec.spec == "none":
         dist.all_to_all_single(output, input, output_split_sizes=recv_rows, input_split_sizes=send_rows,
                                       group=group)
-        comm_stats().record(tag, *_split_bytes(nodes, me, raw_send))
+        comm_stats().record(tag, *_split_bytes(nodes, me, raw_send), calls=calls)
         return output
 
     # Encode every destination's rows but our own (kept exact).
@@ -81,18 +87,20 @@ def compressed_all_to_all(input: torch.Tensor, output_splits, input_splits, grou
                 payloads.append(empty)
                 lengths.append(0)
                 continue
-            packed = spec.encode(chunk)
-            payloads.append(packed.payload.view(-1))
-            lengths.append(spec.payload_nbytes(packed))
+            payloads.append(spec.encode(chunk).payload.view(-1))
+            lengths.append(payloads[-1].numel())  # a fixed-size payload's length; a container's is in its header
     size_bytes = 0
     if spec.fixed_size:
         recv_lengths = [0 if p == me or n == 0 else spec.wire_bytes(n * row_numel, input.dtype)
                         for p, n in enumerate(recv_rows)]
-    else:  # the receivers learn the lengths first
-        sent = torch.tensor(lengths, dtype=torch.int64, device=input.device)
+    else:  # the true lengths, from the headers on the device, exchanged, then read to the host once
+        sent = torch.zeros(size, dtype=torch.int64, device=input.device)
+        filled = [p for p, pl in enumerate(payloads) if pl.numel()]
+        if filled:
+            sent[filled] = payload_lengths([payloads[p] for p in filled])
         got = torch.empty_like(sent)
-        dist.all_to_all_single(got, sent, group=group)
-        recv_lengths = got.tolist()  # the one host read of this call
+        work = dist.all_to_all_single(got, sent, group=group, async_op=True)
+        lengths, recv_lengths = (t.tolist() for t in HostRead([sent, got], (work,)).values())
         size_bytes = _SIZE_BYTES
     send_slots = [slot_bytes(n) for n in lengths]
     recv_slots = [slot_bytes(n) for n in recv_lengths]
@@ -100,11 +108,11 @@ def compressed_all_to_all(input: torch.Tensor, output_splits, input_splits, grou
         else empty
     received = torch.empty(sum(recv_slots), dtype=torch.uint8, device=input.device)
     dist.all_to_all_single(received, send, output_split_sizes=recv_slots, input_split_sizes=send_slots, group=group)
-    comm_stats().record(tag, *_split_bytes(nodes, me, [s + size_bytes for s in send_slots]),
+    comm_stats().record(tag, *_split_bytes(nodes, me, [s + size_bytes for s in send_slots]), calls=calls,
                         uncompressed=_split_bytes(nodes, me, raw_send))
 
     mine = input.split(send_rows)[me]
-    parts = []
+    parts, checks = [], []
     with comm_timers().codec():
         for p, (part, n, rows) in enumerate(zip(received.split(recv_slots), recv_lengths, recv_rows)):
             if p == me:
@@ -112,7 +120,16 @@ def compressed_all_to_all(input: torch.Tensor, output_splits, input_splits, grou
             elif rows == 0:
                 parts.append(input.new_empty((0, *row_shape)))
             else:
-                parts.append(spec.decode(Packed(payload=part[:n], shape=torch.Size((rows, *row_shape)),
-                                                dtype=input.dtype)))
+                packed = Packed(payload=part[:n], shape=torch.Size((rows, *row_shape)), dtype=input.dtype)
+                if spec.fixed_size:
+                    parts.append(spec.decode(packed))
+                else:  # validated below, all payloads in one host read
+                    decoded, check = spec.decode_deferred(packed)
+                    parts.append(decoded)
+                    if check is not None:
+                        checks.append(check)
+    if checks:
+        for check, record in zip(checks, HostRead([c.record for c in checks]).values()):
+            check.raise_if_invalid(record)
     torch.cat(parts, out=output)
     return output

@@ -69,6 +69,13 @@ def check_expert_parallel_codecs(args, policy) -> None:
     if getattr(args, "expert_model_parallel_size", 1) == 1:
         raise ConfigError(f"{flags}: --expert-model-parallel-size 1 sends no tokens between ranks; give it > 1 or "
                           "drop the ep codecs")
+    # Megatron-LM's script: a compressed exchange is synchronous on the current stream and reads sizes to the host
+    if getattr(args, "overlap_moe_expert_parallel_comm", False):
+        raise ConfigError(f"{flags}: --overlap-moe-expert-parallel-comm runs dispatch and combine on a communication "
+                          "stream, which the ep codecs' synchronous exchange would serialize; drop one of them")
+    if getattr(args, "cuda_graph_impl", "none") not in (None, "none") or getattr(args, "enable_cuda_graph", False):
+        raise ConfigError(f"{flags}: CUDA graphs capture the dispatcher, and the ep codecs' exchange is not "
+                          "capturable (host reads, byte counters); drop --cuda-graph-impl or the ep codecs")
 
 
 def check_weight_differences(args, policy_name: str, hpz_size: int | None = None) -> None:

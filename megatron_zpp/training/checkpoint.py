@@ -106,11 +106,16 @@ def _layout(args) -> dict:
     compression state (buckets, simulated nodes, the dp.grad codec)."""
     from megatron.core import parallel_state as ps
 
-    return {"world_size": dist.get_world_size(), "rank": dist.get_rank(),
-            "tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
-            "dp": ps.get_data_parallel_world_size(), "vpp": args.virtual_pipeline_model_parallel_size,
-            "ddp_bucket_size": args.ddp_bucket_size, "zpp_ranks_per_node": getattr(args, "zpp_ranks_per_node", None),
-            "zpp_dp_grad": str(getattr(args, "zpp_dp_grad", None)), "zpp_policy": getattr(args, "zpp_policy", None)}
+    layout = {"world_size": dist.get_world_size(), "rank": dist.get_rank(),
+              "tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+              "dp": ps.get_data_parallel_world_size(), "vpp": args.virtual_pipeline_model_parallel_size,
+              "ddp_bucket_size": args.ddp_bucket_size, "zpp_ranks_per_node": getattr(args, "zpp_ranks_per_node", None),
+              "zpp_dp_grad": str(getattr(args, "zpp_dp_grad", None)), "zpp_policy": getattr(args, "zpp_policy", None)}
+    if getattr(args, "num_experts", None) is not None:  # (dense layouts keep the keys they always had)
+        # MoE: expert buckets (and their error-feedback residuals) follow the expert layout
+        layout.update(num_experts=args.num_experts, ep=args.expert_model_parallel_size,
+                      etp=args.expert_tensor_parallel_size)
+    return layout
 
 
 def _padded_vocab(models) -> int:
