@@ -104,7 +104,9 @@ def test_expert_replicas_compute_with_identical_weights_at_every_use(layout):
             assert any(n.startswith("ddp.expert.") for n in ef) and any(n.startswith("ddp.bucket") for n in ef), ef
 
 
-@pytest.mark.parametrize("layout", ["distopt-overlap-both", "fsdp-hpz"])
+@pytest.mark.parametrize("layout", ["distopt-overlap-both",
+                                    # Megatron-FSDP's expert buckets also run in the replica test above
+                                    pytest.param("fsdp-hpz", marks=pytest.mark.slow)])
 def test_expert_buckets_travel_on_the_expert_data_parallel_group(layout):
     """Megatron hands each expert bucket's collective its expert-data-parallel group; the hooks build that group's
     own topology (here one rank per node: the whole exchange is inter-node) on a communicator of its own, distinct
@@ -157,7 +159,7 @@ def _bits(t):
     return t.contiguous().view(torch.int32)
 
 
-@pytest.mark.parametrize("codec", ["none", "mpc", "int8:block=128", "zfp:rate=16"])
+@pytest.mark.parametrize("codec", ["none", "mpc", "int8:block=128", pytest.param("zfp:rate=16", marks=pytest.mark.slow)])
 def test_compressed_all_to_all_matches_the_exact_exchange(codec):
     """Variable splits (some zero), rows not a multiple of the block: lossless codecs and none bit-exact (NaN
     included), lossy ones within the codec's bound per received chunk, a NaN still NaN, the rows a rank keeps
