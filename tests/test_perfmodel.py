@@ -329,8 +329,8 @@ MIXTRAL = ROOT / "configs/workloads/mixtral-8x7b-128gpu.yaml"
 @pytest.mark.parametrize("spec", ["none", "int8:block=128"])
 def test_token_all_to_all_bytes_match_comm_accounting(spec):
     """The model's token dispatch bytes are comm.compressed_all_to_all's: each chunk one payload padded to 16
-    bytes, split by the peer's node (all_to_all.py's _split_bytes)."""
-    from megatron_zpp.comm.all_to_all import _split_bytes
+    bytes, split by the peer's node (any_codec._a2a_bytes, which all_to_all.py records)."""
+    from megatron_zpp.comm.any_codec import _a2a_bytes
     from megatron_zpp.comm.any_codec import slot_bytes
 
     nodes, node_size, chunk = 2, 4, 1000 + 3
@@ -338,7 +338,8 @@ def test_token_all_to_all_bytes_match_comm_accounting(spec):
     cost = C.token_all_to_all(_cluster(nodes=nodes, ranks_per_node=node_size), group, chunk, spec, 2)
     payload = chunk * 2 if spec == "none" else slot_bytes(get_codec(spec).wire_bytes(chunk))
     member_nodes = group.member_nodes
-    expected = [_split_bytes(member_nodes, me, [payload] * group.size) for me in range(group.size)]
+    expected = [_a2a_bytes(SimpleNamespace(member_nodes=member_nodes, index=me), [payload] * group.size)
+                for me in range(group.size)]
     assert (cost.intra_bytes, cost.inter_bytes) == tuple(map(sum, zip(*expected)))
 
 

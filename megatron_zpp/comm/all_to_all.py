@@ -27,7 +27,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from megatron_zpp.comm.any_codec import _SIZE_BYTES, _padded, slot_bytes
+from megatron_zpp.comm.any_codec import _SIZE_BYTES, _a2a_bytes, _padded, slot_bytes
 from megatron_zpp.comm.stats import comm_stats, comm_timers
 from megatron_zpp.comm.topology import group_layout
 from megatron_zpp.compression import Packed, get_codec
@@ -47,19 +47,13 @@ def _splits(splits, rows: int, size: int) -> list[int]:
     return out
 
 
-def _split_bytes(nodes: tuple[int, ...], me: int, per_member: list[int]) -> tuple[int, int]:
-    intra = sum(n for p, n in enumerate(per_member) if p != me and nodes[p] == nodes[me])
-    inter = sum(n for p, n in enumerate(per_member) if p != me and nodes[p] != nodes[me])
-    return intra, inter
-
-
 def compressed_all_to_all(input: torch.Tensor, output_splits, input_splits, group, codec: str, tag: str,
                           ranks_per_node: int | None = None, calls: int = 1) -> torch.Tensor:
     """``input``'s rows exchanged over ``group`` (module docstring); returns the received rows in member order,
     ``[sum(output_splits), *input.shape[1:]]``, in ``input``'s dtype. ``codec``: a spec (``none``: exact).
     ``calls``: what the call adds to the tag's call count (0 for a companion exchange, e.g. routing weights)."""
     layout = group_layout(group, ranks_per_node)
-    size, me, nodes = layout.size, layout.index, layout.member_nodes
+    size, me = layout.size, layout.index
     input = input.contiguous()
     row_shape = tuple(input.shape[1:])
     row_numel = math.prod(row_shape)
@@ -75,7 +69,7 @@ def compressed_all_to_all(input: torch.Tensor, output_splits, input_splits, grou
     if spec.spec == "none":
         dist.all_to_all_single(output, input, output_split_sizes=recv_rows, input_split_sizes=send_rows,
                                       group=group)
-        comm_stats().record(tag, *_split_bytes(nodes, me, raw_send), calls=calls)
+        comm_stats().record(tag, *_a2a_bytes(layout, raw_send), calls=calls)
         return output
 
     # Encode every destination's rows but our own (kept exact).
@@ -108,8 +102,8 @@ def compressed_all_to_all(input: torch.Tensor, output_splits, input_splits, grou
         else empty
     received = torch.empty(sum(recv_slots), dtype=torch.uint8, device=input.device)
     dist.all_to_all_single(received, send, output_split_sizes=recv_slots, input_split_sizes=send_slots, group=group)
-    comm_stats().record(tag, *_split_bytes(nodes, me, [s + size_bytes for s in send_slots]), calls=calls,
-                        uncompressed=_split_bytes(nodes, me, raw_send))
+    comm_stats().record(tag, *_a2a_bytes(layout, [s + size_bytes for s in send_slots]), calls=calls,
+                        uncompressed=_a2a_bytes(layout, raw_send))
 
     mine = input.split(send_rows)[me]
     parts, checks = [], []

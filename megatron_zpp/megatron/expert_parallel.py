@@ -63,14 +63,14 @@ def _calls(t: torch.Tensor) -> int:
 
 def _record(tag: str, t: torch.Tensor, output_splits, input_splits, group, ranks_per_node) -> None:
     """Bytes of Megatron's own exchange of ``t`` (the rows this rank sends to each other member)."""
-    from megatron_zpp.comm.all_to_all import _split_bytes
+    from megatron_zpp.comm.any_codec import _a2a_bytes
     from megatron_zpp.comm.stats import comm_stats
     from megatron_zpp.comm.topology import group_layout
 
     layout = group_layout(group, ranks_per_node)
     rows = [int(n) for n in input_splits] if input_splits is not None else [t.shape[0] // layout.size] * layout.size
     row_bytes = t[:1].numel() * t.element_size() if t.shape[0] else 0
-    comm_stats().record(tag, *_split_bytes(layout.member_nodes, layout.index, [n * row_bytes for n in rows]),
+    comm_stats().record(tag, *_a2a_bytes(layout, [n * row_bytes for n in rows]),
                         calls=_calls(t))
 
 
