@@ -83,14 +83,15 @@ def all_to_all_worker(codec: str) -> dict:
     return {"out": out, "reference": reference, "recv": recv, "send": send, "stats": comm_stats().get("ep.test")}
 
 
-def moe_ep_codecs(flags_by_name: dict[str, list[str]], iterations: int) -> dict:
-    """The MoE GPT (alltoall dispatcher, distributed optimizer) under each set of ep flags: losses and the ep
-    byte counters (summed over ranks)."""
-    base = MOE + ["--use-distributed-optimizer", "--moe-token-dispatcher-type", "alltoall", "--train-iters",
-                  str(iterations), "--zpp-ranks-per-node", "2", "--eval-iters", "0"]
+def moe_ep_codecs(flags_by_name: dict[str, list[str]], iterations: int, dispatcher: str = "alltoall",
+                  parallel: tuple[str, ...] = ()) -> dict:
+    """The MoE GPT (distributed optimizer, the given token dispatcher and extra layout flags) under each set of
+    flags: losses and the ep and tp byte counters (this rank's)."""
+    base = MOE + ["--use-distributed-optimizer", "--moe-token-dispatcher-type", dispatcher, "--train-iters",
+                  str(iterations), "--zpp-ranks-per-node", "2", "--eval-iters", "0", *parallel]
     out = {}
     for name, flags in flags_by_name.items():
         run = pretrain(base + flags, log=_quiet, plugin=name != "absent")
         out[name] = {"losses": run["losses"], "finite": run["finite"],
-                     "traffic": {t: s for t, s in run.get("traffic", {}).items() if t.startswith("ep.")}}
+                     "traffic": {t: s for t, s in run.get("traffic", {}).items() if t.startswith(("ep.", "tp"))}}
     return out

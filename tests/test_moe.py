@@ -233,11 +233,70 @@ def test_lossless_ep_codecs_train_bit_identically_and_int8_dispatch_stays_close(
     assert ratio(r["int8"]["traffic"]["ep.combine"]) == 1.0
 
 
+def test_allgather_dispatcher_ep_codecs_lossless_bit_identical_and_tp_codec_leaves_moe_exchanges_exact():
+    """The allgather dispatcher at TP 2 x EP 2 (sequence parallel; expert TP 1, so its gathers span the EP group):
+    MPC on all four ep sites trains bit-identically to none and to no plugin; INT8 dispatch trains, differs, stays
+    within 1% and sends ~1/4 of the token bytes; a lossless tp codec (MPC) compresses the tensor-parallel group's
+    activations only and trains bit-identically too (the router's integer token counts and the TP x EP token
+    exchanges, which travel through the same Megatron functions, are not tp traffic)."""
+    runs = {"absent": [], "none": ["--zpp-policy", "none"], "mpc": EP_LOSSLESS,
+            "int8": ["--zpp-ep-dispatch", "int8:block=128"], "tp-mpc": ["--zpp-tp", "mpc"]}
+    parallel = ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1")
+    results = run_distributed(checks.moe_ep_codecs, 4, runs, 3, "allgather", parallel, ranks_per_node=2,
+                              timeout_s=600)
+    for r in results:
+        assert r["absent"]["losses"] == r["none"]["losses"] == r["mpc"]["losses"] == r["tp-mpc"]["losses"], r
+        assert r["int8"]["finite"] and r["int8"]["losses"] != r["none"]["losses"]
+        assert abs(r["int8"]["losses"][-1] - r["none"]["losses"][-1]) <= 0.01 * r["none"]["losses"][-1]
+    r = results[0]
+    for name in ("none", "mpc", "int8", "tp-mpc"):
+        for tag, s in sorted(r[name]["traffic"].items()):
+            print(f"\n{name} {tag}: {s['calls']} calls, inter {s['inter_bytes']} B / {s['uncompressed_inter_bytes']} "
+                  f"uncompressed (x{s['inter_ratio']:.3f}), intra {s['intra_bytes']} B")
+    none, mpc, int8 = (r[n]["traffic"] for n in ("none", "mpc", "int8"))
+    sites = {"ep.dispatch", "ep.dispatch.grad", "ep.combine", "ep.combine.grad"}
+    assert set(none) == set(mpc) == sites
+    for tag in sites:  # one token exchange per MoE layer and micro-batch, forward and backward; the bytes agree
+        assert none[tag]["calls"] == mpc[tag]["calls"] == int8[tag]["calls"] > 0, tag
+        assert (mpc[tag]["uncompressed_intra_bytes"], mpc[tag]["uncompressed_inter_bytes"]) == (
+            none[tag]["intra_bytes"], none[tag]["inter_bytes"]), tag
+
+    def total(s, raw=""):
+        return s[f"{raw}intra_bytes"] + s[f"{raw}inter_bytes"]
+
+    # the dispatched tokens at ~(1 + 4/128)/4 of their bytes (the routing map and probabilities exact), the combine
+    # untouched (EP groups are {0,1} and {2,3} in Megatron's rank order: intra-node here)
+    assert 0.2 < total(int8["ep.dispatch"]) / total(int8["ep.dispatch"], "uncompressed_") < 0.4, int8["ep.dispatch"]
+    assert total(int8["ep.combine"]) == total(none["ep.combine"]) > 0
+    assert r["tp-mpc"]["traffic"]["tp"]["calls"] > 0
+
+
+@pytest.mark.parametrize("preset", ["mzhybrid", "hybrid"])
+def test_hybrid_presets_run_lossless_ep_codecs_where_the_job_has_an_expert_parallel_exchange(preset):
+    """mzhybrid and hybrid carry MPC on the four ep sites: on when the MoE exchange can take them, off (not an
+    error) for a dense model, at EP 1 or with the overlapped exchange; a --zpp-ep-* flag is the user's own and is
+    still refused there, naming the reason."""
+    from megatron_zpp.megatron import hooks_from_args
+    from megatron_zpp.policy import EP_DIMENSIONS
+
+    moe = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
+    runs = hooks_from_args(_args("--zpp-policy", preset, *moe)).policy
+    assert {d: runs.codec(d) for d in EP_DIMENSIONS} == dict.fromkeys(EP_DIMENSIONS, "mpc:dim=1")
+    overlapped = _args("--zpp-policy", preset, *moe)
+    overlapped.overlap_moe_expert_parallel_comm = True  # Megatron-LM's flag (its own script)
+    for idle in (_args("--zpp-policy", preset), _args("--zpp-policy", preset, "--num-experts", "4"), overlapped):
+        policy = hooks_from_args(idle).policy
+        assert {d: policy.codec(d) for d in EP_DIMENSIONS} == dict.fromkeys(EP_DIMENSIONS, "none"), idle
+        assert policy.codec("tp") == runs.codec("tp") == "mpc:dim=1"
+    with pytest.raises(ConfigError, match="--zpp-ep-combine int8:block=128[^:]*: .*this model has no experts"):
+        hooks_from_args(_args("--zpp-policy", preset, "--zpp-ep-combine", "int8:block=128"))
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--zpp-ep-dispatch", "int8:block=128"], "this model has no experts"),
-    (["--num-experts", "4", "--expert-model-parallel-size", "2", "--zpp-ep-combine", "mpc"],
-     "--zpp-ep-combine mpc(:dim=1)?: the ep codecs hook the alltoall token dispatcher; --moe-token-dispatcher-type is "
-     "allgather; valid with ep codecs: alltoall"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex",
+      "--zpp-ep-combine", "mpc"],  # refused before the ep check (flex needs GPU kernels)
+     "--moe-token-dispatcher-type flex needs DeepEP or HybridEP"),
     (["--num-experts", "4", "--moe-token-dispatcher-type", "alltoall", "--zpp-ep-dispatch", "mpc"],
      "--expert-model-parallel-size 1 sends no tokens"),
     (["--num-experts", "4", "--zpp-ep-dispatch", "int9"], "ep.dispatch"),
@@ -247,3 +306,23 @@ def test_ep_codecs_refused_where_they_cannot_run(flags, message):
 
     with pytest.raises(ConfigError, match=message):
         hooks_from_args(_args(*flags))
+
+
+def test_ep_codecs_refused_with_the_flex_dispatcher_and_the_overlapped_exchange():
+    """Megatron-LM's own script reaches the ep check without our MoE validation: the flex dispatcher and
+    --overlap-moe-expert-parallel-comm are refused there, naming the flag and the reason."""
+    from megatron_zpp.megatron import check_expert_parallel_codecs
+    from megatron_zpp.policy import resolve_policy
+    from megatron_zpp.policy.config import ZppConfig
+
+    policy = resolve_policy(ZppConfig(policy="none", ep_combine="mpc"))
+    args = _args("--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall")
+    check_expert_parallel_codecs(args, policy)  # runs here
+    args.moe_token_dispatcher_type = "flex"
+    with pytest.raises(ConfigError, match="--zpp-ep-combine mpc:dim=1: the ep codecs hook the alltoall and allgather "
+                                          "token dispatchers; --moe-token-dispatcher-type is flex; valid with ep "
+                                          "codecs: alltoall, allgather"):
+        check_expert_parallel_codecs(args, policy)
+    args.moe_token_dispatcher_type, args.overlap_moe_expert_parallel_comm = "allgather", True
+    with pytest.raises(ConfigError, match="--zpp-ep-combine mpc:dim=1: --overlap-moe-expert-parallel-comm"):
+        check_expert_parallel_codecs(args, policy)

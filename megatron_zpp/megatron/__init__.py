@@ -34,7 +34,8 @@ def hooks_from_args(args) -> MegatronHooks:
     """
     # Checked across ranks by MegatronHooks.install, or, since Megatron-LM initializes torch.distributed
     # only inside pretrain() after this call, right after its initialize_model_parallel.
-    policy = resolve_policy(zpp_config_from_args(args))
+    config = zpp_config_from_args(args)
+    policy = without_idle_preset_ep_codecs(args, resolve_policy(config), config)
     if policy.param_difference:
         check_weight_differences(args, policy.name, policy.hpz_size)
     check_expert_parallel_codecs(args, policy)
@@ -52,30 +53,48 @@ def hooks_from_args(args) -> MegatronHooks:
                          model_parallel_codecs=model_parallel)
 
 
-def check_expert_parallel_codecs(args, policy) -> None:
-    """The ``ep`` codecs run on the alltoall token dispatcher (``expert_parallel.py``): refuse them, naming the
-    flags, without MoE, without expert parallelism to carry them, or with another dispatcher."""
-    chosen = [d for d in EP_DIMENSIONS if policy.codec(d) != "none"]
-    if not chosen:
-        return
-    flags = ", ".join(f"--zpp-{d.replace('.', '-')} {policy.codec(d)}" for d in chosen)
+def without_idle_preset_ep_codecs(args, policy, config):
+    """A preset's (or YAML file's) ``ep`` codecs where the job cannot run them: off, as a preset's ``pp`` codec idles at
+    PP 1, so one preset serves dense and MoE models. Codecs given by ``--zpp-ep-*`` flags are the user's and stay,
+    for :func:`check_expert_parallel_codecs` to refuse with the reason."""
+    import dataclasses
+
+    explicit = {d for d in EP_DIMENSIONS if getattr(config, d.replace(".", "_"), None) is not None}
+    idle = [d for d in EP_DIMENSIONS if d not in explicit and policy.codec(d) != "none"]
+    if not idle or _expert_parallel_refusal(args) is None:
+        return policy
+    return dataclasses.replace(policy, codecs=policy.codecs | {d: "none" for d in idle})
+
+
+def _expert_parallel_refusal(args) -> str | None:
+    """Why this job's MoE token exchange cannot take ep codecs (``None``: it can)."""
     if getattr(args, "num_experts", None) is None:
-        raise ConfigError(f"{flags}: the ep codecs compress MoE token dispatch and combine; this model has no experts "
-                          "(--num-experts)")
+        return "the ep codecs compress MoE token dispatch and combine; this model has no experts (--num-experts)"
     dispatcher = getattr(args, "moe_token_dispatcher_type", "allgather")
-    if dispatcher != "alltoall":
-        raise ConfigError(f"{flags}: the ep codecs hook the alltoall token dispatcher; --moe-token-dispatcher-type is "
-                          f"{dispatcher}; valid with ep codecs: alltoall")
+    if dispatcher not in ("alltoall", "allgather"):
+        return (f"the ep codecs hook the alltoall and allgather token dispatchers; --moe-token-dispatcher-type is "
+                f"{dispatcher}; valid with ep codecs: alltoall, allgather")
     if getattr(args, "expert_model_parallel_size", 1) == 1:
-        raise ConfigError(f"{flags}: --expert-model-parallel-size 1 sends no tokens between ranks; give it > 1 or "
-                          "drop the ep codecs")
+        return "--expert-model-parallel-size 1 sends no tokens between ranks; give it > 1 or drop the ep codecs"
     # Megatron-LM's script: a compressed exchange is synchronous on the current stream and reads sizes to the host
     if getattr(args, "overlap_moe_expert_parallel_comm", False):
-        raise ConfigError(f"{flags}: --overlap-moe-expert-parallel-comm runs dispatch and combine on a communication "
-                          "stream, which the ep codecs' synchronous exchange would serialize; drop one of them")
+        return ("--overlap-moe-expert-parallel-comm runs dispatch and combine on a communication stream, which the "
+                "ep codecs' synchronous exchange would serialize; drop one of them")
     if getattr(args, "cuda_graph_impl", "none") not in (None, "none") or getattr(args, "enable_cuda_graph", False):
-        raise ConfigError(f"{flags}: CUDA graphs capture the dispatcher, and the ep codecs' exchange is not "
-                          "capturable (host reads, byte counters); drop --cuda-graph-impl or the ep codecs")
+        return ("CUDA graphs capture the dispatcher, and the ep codecs' exchange is not capturable (host reads, byte "
+                "counters); drop --cuda-graph-impl or the ep codecs")
+    return None
+
+
+def check_expert_parallel_codecs(args, policy) -> None:
+    """The ``ep`` codecs run on the alltoall and allgather token dispatchers (``expert_parallel.py``): refuse them,
+    naming the flags, without MoE, without expert parallelism to carry them, with the flex dispatcher, with the
+    overlapped expert-parallel exchange or with CUDA graphs."""
+    chosen = [d for d in EP_DIMENSIONS if policy.codec(d) != "none"]
+    why = _expert_parallel_refusal(args) if chosen else None
+    if why is not None:
+        flags = ", ".join(f"--zpp-{d.replace('.', '-')} {policy.codec(d)}" for d in chosen)
+        raise ConfigError(f"{flags}: {why}")
 
 
 def check_weight_differences(args, policy_name: str, hpz_size: int | None = None) -> None:

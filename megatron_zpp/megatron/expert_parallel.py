@@ -21,8 +21,18 @@ it does not overlap the shared experts as Megatron's NCCL-stream all-to-all can,
 two small tensors back to the host per call (``comm/all_to_all.py``). Refused with CUDA graphs and with
 ``--overlap-moe-expert-parallel-comm`` (``check_expert_parallel_codecs``).
 
-Not hooked: the allgather dispatcher (its gathers and reduce-scatters over the tensor-and-expert-parallel group)
-and the flex dispatcher (DeepEP / HybridEP kernels); ``ep`` codecs other than none are refused with them.
+``MoEAllGatherTokenDispatcher`` gathers every token of the tensor-and-expert-parallel (TP x EP) group to every
+rank in ``token_dispatch`` (``gather_from_sequence_parallel_region``: the routing map, the probabilities, then the
+hidden states) and sums the experts' outputs back in ``token_combine`` (``reduce_scatter_to_sequence_parallel_region``),
+both looked up in ``token_dispatcher``'s globals. The same wrapping gives them their sites; the hidden states'
+gather (the tensor ``token_dispatch`` was given) goes through :class:`_CodedGather` (forward: a compressed
+all-gather, ``quantized_all_gather``; backward, Megatron's reduce-scatter of the gradients: ``qgz_reduce_scatter``
+with the ``.grad`` codec, fp32 sums of decoded chunks), the combine's reduce-scatter through
+:class:`_CodedReduceScatter` (the mirror image). The routing map and probabilities travel exactly and are counted
+with the site. With both codecs of a site ``none``, Megatron's own functions run and only bytes are recorded
+(ring all-gather / reduce-scatter: ``(size - 1)`` shards sent per rank).
+
+Not hooked: the flex dispatcher (DeepEP / HybridEP kernels); ``ep`` codecs other than none are refused with it.
 """
 
 from __future__ import annotations
@@ -34,9 +44,12 @@ import threading
 
 import torch
 
+from megatron_zpp.comm import Topology, qgz_reduce_scatter, quantized_all_gather
 from megatron_zpp.comm.all_to_all import compressed_all_to_all
 
-_SITE = threading.local()  # the dispatcher method running now on this thread: "ep.dispatch" / "ep.combine"
+# The dispatcher method running now on this thread: name "ep.dispatch" / "ep.combine"; tokens: the hidden states
+# the allgather dispatcher's token_dispatch was given (its other gathers are the routing map and probabilities).
+_SITE = threading.local()
 
 
 class _CodedAllToAll(torch.autograd.Function):
@@ -54,6 +67,66 @@ class _CodedAllToAll(torch.autograd.Function):
         return (None, compressed_all_to_all(grad, input_splits, output_splits, ctx.group, ctx.codecs[1],
                                             f"{ctx.site}.grad", ctx.ranks_per_node, calls=_calls(grad)),
                 None, None, None, None, None)
+
+
+class _CodedGather(torch.autograd.Function):
+    """The allgather dispatcher's token gather over the TP x EP group (first dimension): forward with the site's
+    codec, backward (the gradients reduce-scattered, summed) with its ``.grad`` codec."""
+
+    @staticmethod
+    def forward(ctx, input, topology, codecs, site):
+        ctx.topology, ctx.codecs, ctx.site = topology, codecs, site
+        output = input.new_empty((topology.size * input.shape[0], *input.shape[1:]))
+        quantized_all_gather(output, input.contiguous(), topology, codec=codecs[0], tag=site)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.topology, ctx.codecs[1], f"{ctx.site}.grad"), None, None, None
+
+
+class _CodedReduceScatter(torch.autograd.Function):
+    """The allgather dispatcher's combine: the experts' outputs summed over the TP x EP group and scattered
+    (first dimension) with the site's codec; backward (the gradients all-gathered) with its ``.grad`` codec."""
+
+    @staticmethod
+    def forward(ctx, input, topology, codecs, site):
+        ctx.topology, ctx.codecs, ctx.site = topology, codecs, site
+        return _reduce_scatter(input, topology, codecs[0], site)
+
+    @staticmethod
+    def backward(ctx, grad):
+        topology = ctx.topology
+        output = grad.new_empty((topology.size * grad.shape[0], *grad.shape[1:]))
+        quantized_all_gather(output, grad.contiguous(), topology, codec=ctx.codecs[1], tag=f"{ctx.site}.grad")
+        return output, None, None, None
+
+
+def _reduce_scatter(input: torch.Tensor, topology: Topology, codec: str, tag: str) -> torch.Tensor:
+    """Sum ``input`` over the group, this rank's ``1 / size`` of the first dimension. ``none``: the plain
+    reduce-scatter Megatron's own function runs (bit-identical to it), bytes recorded as a ring."""
+    if input.shape[0] % topology.size:
+        raise ValueError(f"{tag}: {input.shape[0]} rows do not split over the {topology.size} ranks of the group")
+    if codec == "none":
+        from megatron.core.tensor_parallel import mappings
+
+        output = mappings._reduce_scatter_along_first_dim(input, topology.group)
+        _record_ring(tag, output, topology.group, topology.ranks_per_node)
+        return output
+    output = input.new_empty((input.shape[0] // topology.size, *input.shape[1:]))
+    qgz_reduce_scatter(output, input.contiguous(), topology, codec=codec, op="sum", tag=tag)
+    return output
+
+
+def _record_ring(tag: str, shard: torch.Tensor, group, ranks_per_node, calls: int = 1) -> None:
+    """Bytes of a ring all-gather or reduce-scatter whose per-rank shard is ``shard``: ``size - 1`` shards sent
+    to the ring's next member (as quantized_all_gather's ``none`` counts them)."""
+    from megatron_zpp.comm.stats import comm_stats
+    from megatron_zpp.comm.topology import group_layout
+
+    layout = group_layout(group, ranks_per_node)
+    comm_stats().record(tag, *layout.split_ring((layout.size - 1) * shard.numel() * shard.element_size()),
+                        calls=calls)
 
 
 def _calls(t: torch.Tensor) -> int:
@@ -75,7 +148,7 @@ def _record(tag: str, t: torch.Tensor, output_splits, input_splits, group, ranks
 
 
 class ExpertParallelHooks:
-    """Installs the ``ep`` codecs on the alltoall token dispatcher; ``uninstall()`` restores Megatron-Core's.
+    """Installs the ``ep`` codecs on the alltoall and allgather token dispatchers; ``uninstall()`` restores Megatron-Core's.
 
     Args:
         codec_of: the codec a dimension runs now (``MegatronHooks.codec``), read at every all-to-all.
@@ -86,6 +159,20 @@ class ExpertParallelHooks:
         self.codec_of = codec_of
         self.ranks_per_node = ranks_per_node
         self._restore: list[tuple[object, str, object]] = []
+        self._topologies: dict[tuple[int, ...], Topology] = {}
+
+    def _topology(self, group) -> Topology:
+        """The compressed collectives' topology of a TP x EP group, made once per group (by its members only)."""
+        import torch.distributed as dist
+
+        from megatron_zpp.comm.topology import ranks_per_node_from_env
+
+        ranks = tuple(dist.get_process_group_ranks(group))
+        topo = self._topologies.get(ranks)
+        if topo is None:
+            rpn = self.ranks_per_node or ranks_per_node_from_env() or dist.get_world_size()
+            topo = self._topologies[ranks] = Topology(group, ranks_per_node=rpn, hpz_partition_size=1)
+        return topo
 
     def _patch(self, owner, name: str, value) -> None:
         self._restore.append((owner, name, inspect.getattr_static(owner, name)))
@@ -118,17 +205,63 @@ class ExpertParallelHooks:
                     output.register_hook(lambda grad: _record(f"{site}.grad", grad, in_splits, out_splits, group, rpn))
             return output
 
-        cls = token_dispatcher.MoEAlltoAllTokenDispatcher
-        for method, site in (("token_dispatch", "ep.dispatch"), ("token_combine", "ep.combine")):
-            original = getattr(cls, method)
+        original_gather = token_dispatcher.gather_from_sequence_parallel_region
+        original_reduce_scatter = token_dispatcher.reduce_scatter_to_sequence_parallel_region
 
-            @functools.wraps(original)
-            def at_site(self, *args, _original=original, _site=site, **kwargs):
-                with _at(_site):
-                    return _original(self, *args, **kwargs)
+        def gather(input_, tensor_parallel_output_grad=True, group=None, output_split_sizes=None,
+                   use_global_buffer=False):
+            site = getattr(_SITE, "name", None)
+            megatron = functools.partial(original_gather, input_, tensor_parallel_output_grad, group,
+                                         output_split_sizes, use_global_buffer)
+            if site is None or group is None or group.size() == 1:
+                return megatron()
+            tokens = input_ is getattr(_SITE, "tokens", None)
+            codecs = (hooks.codec_of(site), hooks.codec_of(f"{site}.grad")) if tokens else ("none", "none")
+            if codecs != ("none", "none"):
+                if output_split_sizes is not None or not tensor_parallel_output_grad:
+                    raise NotImplementedError(f"{site}: the ep codecs gather equal shards whose gradients are "
+                                              "reduce-scattered (megatron-core 0.19's allgather dispatcher); this "
+                                              "call passes output_split_sizes or tensor_parallel_output_grad=False")
+                return _CodedGather.apply(input_, hooks._topology(group), codecs, site)
+            output = megatron()
+            # the routing map (no gradient) and probabilities add bytes, not calls
+            rpn, calls = hooks.ranks_per_node, int(tokens)
+            _record_ring(site, input_, group, rpn, calls)
+            if output.requires_grad and tensor_parallel_output_grad:
+                output.register_hook(lambda grad: _record_ring(f"{site}.grad", input_, group, rpn, calls))
+            return output
 
-            self._patch(cls, method, at_site)
+        def reduce_scatter(input_, group=None, input_split_sizes=None, use_global_buffer=False):
+            site = getattr(_SITE, "name", None)
+            if site is None or group is None or group.size() == 1:
+                return original_reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+            codecs = (hooks.codec_of(site), hooks.codec_of(f"{site}.grad"))
+            if codecs != ("none", "none"):
+                if input_split_sizes is not None:
+                    raise NotImplementedError(f"{site}: the ep codecs reduce-scatter equal shards (megatron-core "
+                                              "0.19's allgather dispatcher); this call passes input_split_sizes")
+                return _CodedReduceScatter.apply(input_, hooks._topology(group), codecs, site)
+            output = original_reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+            rpn = hooks.ranks_per_node
+            _record_ring(site, output, group, rpn)
+            if output.requires_grad:
+                output.register_hook(lambda grad: _record_ring(f"{site}.grad", grad, group, rpn))
+            return output
+
+        sites = (("token_dispatch", "ep.dispatch"), ("token_combine", "ep.combine"))
+        for cls in (token_dispatcher.MoEAlltoAllTokenDispatcher, token_dispatcher.MoEAllGatherTokenDispatcher):
+            for method, site in sites:
+                original = getattr(cls, method)
+
+                @functools.wraps(original)
+                def at_site(self, hidden_states, *args, _original=original, _site=site, **kwargs):
+                    with _at(_site, hidden_states):
+                        return _original(self, hidden_states, *args, **kwargs)
+
+                self._patch(cls, method, at_site)
         self._patch(token_dispatcher, "all_to_all", all_to_all)
+        self._patch(token_dispatcher, "gather_from_sequence_parallel_region", gather)
+        self._patch(token_dispatcher, "reduce_scatter_to_sequence_parallel_region", reduce_scatter)
         return self
 
     def uninstall(self) -> None:
@@ -138,13 +271,13 @@ class ExpertParallelHooks:
 
 
 @contextlib.contextmanager
-def _at(site: str):
-    previous = getattr(_SITE, "name", None)
-    _SITE.name = site
+def _at(site: str, tokens: torch.Tensor):
+    previous = getattr(_SITE, "name", None), getattr(_SITE, "tokens", None)
+    _SITE.name, _SITE.tokens = site, tokens
     try:
         yield
     finally:
-        _SITE.name = previous
+        _SITE.name, _SITE.tokens = previous
 
 
 def _on_host(splits) -> bool:

@@ -12,7 +12,10 @@ first/last-dim all-gathers and reduce-scatters through ``dist_all_gather_func`` 
 ``dist_reduce_scatter_func``) and of ``tensor_parallel.layers`` (sequence-parallel all-gather /
 reduce-scatter, and the backward all-reduce of ``LinearWithGradAccumulationAndAsyncCommunication``)
 go through compressed versions on the TP group. The vocabulary-parallel cross-entropy's
-reductions are left exact (they are not routed).
+reductions are left exact (they are not routed). Only the tensor-parallel group's own floating-point
+traffic is compressed: the same functions also carry MoE's exchanges over other groups (the allgather
+token dispatcher's over TP x EP, the router's token counts over TP x CP and TP x DP x CP, integers), which
+stay exact here; the token exchanges are the ``ep`` dimension's (``expert_parallel.py``).
 
 With a ``none`` codec nothing is replaced, so training is bit-identical to Megatron's.
 Traffic is recorded under the tags ``pp`` and ``tp``.
@@ -36,6 +39,14 @@ from megatron_zpp.compression.container import payload_lengths
 from megatron_zpp.compression.host_read import HostRead
 
 PP_TAG, TP_TAG = "pp", "tp"
+
+
+def _is_tensor_parallel_group(group) -> bool:
+    """Whether ``group`` is Megatron's tensor-parallel group (the object: MoE's TP x EP group may have its ranks)."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_group(check_initialized=False)
+    return group is None or group is tp
 
 
 class ModelParallelHooks:
@@ -186,17 +197,22 @@ class ModelParallelHooks:
 
         original_reduce = mappings._reduce
 
+        def exact(t: torch.Tensor, group) -> bool:
+            # Megatron's own call: "tp" not chosen (installed for --zpp-policy auto), not the tensor-parallel
+            # group (MoE's TP x EP, TP x CP groups), or not floating point (token counts, routing masks).
+            return "tp" in hooks.off or not t.is_floating_point() or not _is_tensor_parallel_group(group)
+
         def patched(module):
             original_ag, original_rs = module.dist_all_gather_func, module.dist_reduce_scatter_func
 
             def all_gather(output, input, group=None, async_op=False):
-                if "tp" in hooks.off:  # installed for --zpp-policy auto, not chosen: Megatron's own call
+                if exact(input, group):
                     return original_ag(output, input, group=group, async_op=async_op)
                 return quantized_all_gather(output, input.contiguous(), hooks._topology(group), codec=codec(),
                                             async_op=async_op, tag=TP_TAG)
 
             def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-                if "tp" in hooks.off:
+                if exact(input, group):
                     return original_rs(output, input, op=op, group=group, async_op=async_op)
                 return qgz_reduce_scatter(output, input.contiguous(), hooks._topology(group), codec=codec(),
                                           op="sum" if op == dist.ReduceOp.SUM else "mean", async_op=async_op,
@@ -204,7 +220,7 @@ class ModelParallelHooks:
             return all_gather, reduce_scatter
 
         def reduce(input_, group):  # mappings._reduce: all-reduce in the TP region
-            if "tp" in hooks.off:
+            if exact(input_, group):
                 return original_reduce(input_, group)
             if group.size() == 1:
                 return input_

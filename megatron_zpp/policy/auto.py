@@ -176,6 +176,10 @@ def preset_for_job(name: str, *, zero_mode: str, ranks_per_node: int | None, nod
     from megatron_zpp.policy.config import ZppConfig
     from megatron_zpp.policy.policy import resolve_policy
 
+    from megatron_zpp.policy.policy import EP_DIMENSIONS
+
     p = resolve_policy(ZppConfig(policy=name))
     hpz = None if zero_mode == "fsdp" and p.codec("dp.param") != "none" and nodes_ranks > 1 else 1
-    return dataclasses.replace(p, hpz_size=hpz, ranks_per_node=ranks_per_node)
+    # the ep dimension stays none under auto, as in its candidates (a hybrid preset's MPC on MoE tokens included)
+    return dataclasses.replace(p, codecs=p.codecs | {d: "none" for d in EP_DIMENSIONS}, hpz_size=hpz,
+                               ranks_per_node=ranks_per_node)
