@@ -367,3 +367,32 @@ def test_moe_workload_counts_expert_parameters_and_token_traffic():
     assert coded.step_time_s < plain.step_time_s  # on a 1 GB/s per-node link the dispatch bytes dominate
     with pytest.raises(ValueError, match="layout ep=16 needs a MoE model whose num_experts .8. it divides"):
         predict(cluster, dataclasses.replace(workload, layout=dataclasses.replace(workload.layout, ep=16)), "zeropp")
+
+
+def test_allgather_dispatcher_moves_every_token_to_every_expert_rank():
+    """Megatron's default dispatcher gathers all of the EP group's tokens to each member (ring) and reduce-scatters
+    the outputs back: ep / top-k times the alltoall dispatcher's bytes (8 / 2 for the Mixtral-like preset), forward
+    and backward; an INT8 ep codec cuts the gathers to ~(1 + 4/128) / 2 of bf16 and the reduce-scatters through
+    qgZ's hops. A bad dispatcher name is refused naming the valid ones."""
+    workload = load_workload(MIXTRAL)
+    cluster = _cluster(nodes=32, ranks_per_node=4, codec_throughput={
+        "int8": CodecThroughput(quantize=1e11, dequantize=1e11), "int4": CodecThroughput(quantize=1e11, dequantize=1e11)})
+
+    def with_dispatcher(name):
+        return dataclasses.replace(workload, layout=dataclasses.replace(workload.layout, moe_token_dispatcher=name))
+
+    a2a, ag = predict(cluster, with_dispatcher("alltoall"), "zeropp"), predict(cluster, with_dispatcher("allgather"), "zeropp")
+    for site in ("ep.dispatch", "ep.dispatch.grad", "ep.combine", "ep.combine.grad"):
+        ratio = (ag.bytes[site].intra + ag.bytes[site].inter) / (a2a.bytes[site].intra + a2a.bytes[site].inter)
+        print(f"\n{site}: allgather / alltoall bytes {ratio:.4f}")
+        assert abs(ratio - 8 / 2) < 0.01, (site, ratio)
+    from megatron_zpp.policy import resolve_policy
+    from megatron_zpp.policy.config import ZppConfig
+
+    int8 = resolve_policy(ZppConfig(policy="zeropp", ep_dispatch="int8:block=128", ep_combine="int8:block=128"))
+    coded = predict(cluster, with_dispatcher("allgather"), int8)
+    assert abs(coded.bytes["ep.dispatch"].inter / ag.bytes["ep.dispatch"].inter - (1 + 4 / 128) / 2) < 0.01
+    assert coded.bytes["ep.combine"].inter < 0.6 * ag.bytes["ep.combine"].inter
+    assert coded.bytes["ep.dispatch.grad"] == ag.bytes["ep.dispatch.grad"]
+    with pytest.raises(ValueError, match="moe_token_dispatcher.*flex.*allgather, alltoall"):
+        with_dispatcher("flex")

@@ -240,6 +240,14 @@ def hierarchical_reduce_scatter(cluster: ClusterSpec, group: Group, shard_numel:
     return cost
 
 
+def token_reduce_scatter(cluster: ClusterSpec, group: Group, shard_numel: int, spec: str, dtype_bytes: int) -> Cost:
+    """The allgather MoE dispatcher's combine (or its dispatch's backward): Megatron's ring reduce-scatter
+    (``none``), or ``qgz_reduce_scatter`` with ``spec`` on both hops."""
+    if spec == "none":
+        return torch_reduce_scatter(cluster, group, shard_numel, dtype_bytes)
+    return hierarchical_reduce_scatter(cluster, group, shard_numel, spec, None, 1, dtype_bytes)
+
+
 def compressed_all_reduce(cluster: ClusterSpec, group: Group, numel: int, spec: str, intra_spec: str | None,
                           stages: int, dtype_bytes: int) -> Cost:
     """``comm.compressed_all_reduce``: the hierarchical reduce-scatter, then a ring all-gather of the reduced

@@ -336,16 +336,27 @@ def _predict(cluster: ClusterSpec, workload: WorkloadSpec, mp: ModelledPolicy) -
         n_f, n_b = 2 * layers, (2 + (2 if lay.activation_recompute else 0)) * layers
         tp_f, tp_b = n_f * ar.total_s, n_b * ar.total_s
         tag_costs["tp"] = ar.scaled((n_f + n_b) * m)
-    # Expert parallelism: per MoE layer and micro-batch, the token dispatch and combine all-to-alls forward and
-    # their two backward ones, each a chunk of tokens x top-k x h / ep per peer (uniform routing; sequence-
-    # parallel tokens with TP), on the compute path (not overlapped: Megatron's dispatcher waits for them).
+    # Expert parallelism: per MoE layer and micro-batch, the token dispatch and combine exchanges forward and
+    # their two backward ones, on the compute path (not overlapped: Megatron's dispatcher waits for them). alltoall:
+    # each a chunk of tokens x top-k x h / ep per peer (uniform routing; sequence-parallel tokens with TP).
+    # allgather: dispatch gathers every member's tokens x h (ring), combine reduce-scatters them back (qgZ's
+    # algorithm when compressed), and each backward is the other collective.
     ep_f = ep_b = 0.0
     moe_here = model.moe_layers / lay.pp  # MoE layers per stage (uniform split)
     if moe_here and lay.ep > 1:
         tokens = math.ceil(lay.micro_batch * model.seq_length / lay.tp)
-        chunk = math.ceil(tokens * model.moe_topk * model.hidden / lay.ep)
-        ep = {site: C.token_all_to_all(cluster, groups["ep"], chunk, pol.codec(site), lay.param_bytes)
-              for site in ("ep.dispatch", "ep.dispatch.grad", "ep.combine", "ep.combine.grad")}
+        sites = ("ep.dispatch", "ep.dispatch.grad", "ep.combine", "ep.combine.grad")
+        if lay.moe_token_dispatcher == "alltoall":
+            chunk = math.ceil(tokens * model.moe_topk * model.hidden / lay.ep)
+            ep = {site: C.token_all_to_all(cluster, groups["ep"], chunk, pol.codec(site), lay.param_bytes)
+                  for site in sites}
+        else:
+            shard = tokens * model.hidden
+            gathers, scatters = ("ep.dispatch", "ep.combine.grad"), ("ep.combine", "ep.dispatch.grad")
+            ep = {site: C.all_gather(cluster, groups["ep"], shard, pol.codec(site), lay.param_bytes)
+                  for site in gathers}
+            ep |= {site: C.token_reduce_scatter(cluster, groups["ep"], shard, pol.codec(site), lay.param_bytes)
+                   for site in scatters}
         ep_f = moe_here * (ep["ep.dispatch"].total_s + ep["ep.combine"].total_s)
         ep_b = moe_here * (ep["ep.dispatch.grad"].total_s + ep["ep.combine.grad"].total_s)
         for site, cost in ep.items():

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ZERO_MODES = ("distopt", "fsdp", "ddp")
+MOE_TOKEN_DISPATCHERS = ("allgather", "alltoall")  # the host-side dispatchers megatron_zpp hooks (flex: GPU kernels)
 BACKENDS = ("nccl", "gloo")
 CODEC_OPS = ("quantize", "dequantize")
 
@@ -250,6 +251,10 @@ class LayoutSpec:
     ep: int = 1
     """MoE expert-parallel size: the experts divided over ep ranks (innermost in the expert rank order, expert
     tensor parallelism 1); expert weights replicated over tp x dp / ep ranks (the expert-data-parallel group)."""
+    moe_token_dispatcher: str = "allgather"
+    """MoE token exchange (--moe-token-dispatcher-type; Megatron's default allgather): ``alltoall`` sends each
+    token to its top-k experts' ranks; ``allgather`` gathers every token of the EP group to every member and sums the
+    experts' outputs back with a reduce-scatter."""
     dp: int
     """Data-parallel size; tp * pp * dp must equal the cluster's world size."""
     param_bytes: int = 2
@@ -281,6 +286,7 @@ class LayoutSpec:
             raise ValueError(f"layout ep={self.ep} must divide tp x dp = {self.tp * self.dp} (the ranks of a pipeline "
                              "stage)")
         _choice("layout zero_mode", self.zero_mode, ZERO_MODES)
+        _choice("layout moe_token_dispatcher", self.moe_token_dispatcher, MOE_TOKEN_DISPATCHERS)
         for name in ("param_bytes", "grad_bytes"):
             _choice(f"layout {name}", getattr(self, name), (2, 4))
         if self.global_batch % (self.micro_batch * self.dp):
