@@ -159,6 +159,30 @@ def test_a_slower_link_is_noticed_and_the_choice_changes():
         assert r["finite"] and r["replica_check"]["mismatches"] == 0 and r["replica_check"]["uses_compared"] > 0
 
 
+def test_auto_models_a_moe_job_with_its_experts_and_token_exchange():
+    """A MoE job (Megatron-LM's flags, a --moe-layer-freq pattern) as auto's model sees it: its experts, top-k,
+    expert FFN, MoE layer count, expert parallelism and dispatcher, so its candidates are priced with the expert
+    buckets and the token exchanges (dense: no ep traffic)."""
+    from megatron_zpp.training.auto_policy import workload_from_args
+    from megatron_zpp.training.arguments import build_parser, validate_args
+
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+           "--moe-token-dispatcher-type", "alltoall", "--moe-ffn-hidden-size", "96", "--moe-layer-freq", "[1,0]"]
+    args = validate_args(build_parser().parse_args(checks.SMALL + DISTOPT_OVERLAP + moe), 4)
+    w = workload_from_args(args, vocab=257, world=4)
+    assert (w.model.num_experts, w.model.moe_topk, w.model.moe_ffn_hidden, w.model.moe_layers) == (4, 2, 96, 1)
+    assert (w.layout.ep, w.layout.moe_token_dispatcher) == (2, "alltoall")
+    cluster = from_dict(ClusterSpec, {"name": "t", "nodes": 2, "ranks_per_node": 2, "intra_alpha": 1e-5,
+                                      "intra_bandwidth": 1e9, "inter_alpha": 1e-4, "inter_bandwidth": 1e8,
+                                      "compute_flops": 1e11, "reduce_throughput": 1e9,
+                                      "optimizer_params_per_s": 1e8}, "t")
+    assert predict(cluster, w, "megatron").bytes["ep.dispatch"].intra > 0
+    dense = workload_from_args(validate_args(build_parser().parse_args(checks.SMALL + DISTOPT_OVERLAP), 4), 257, 4)
+    assert dense.model.num_experts is None and dense.layout.ep == 1
+    dense_bytes = predict(cluster, dense, "megatron").bytes.get("ep.dispatch")
+    assert dense_bytes is None or dense_bytes.intra == dense_bytes.inter == 0
+
+
 def test_the_auto_cluster_yaml_loads_and_predicts(tmp_path):
     """The startup calibration's cluster (written the way tools/calibrate.py writes its own) loads back with
     load_cluster and predicts the job's workload."""

@@ -3,6 +3,7 @@ every ZeRO path and policy, with the expert-data-parallel replicas compared at e
 
 import argparse
 import re
+from pathlib import Path
 
 import moe_checks as checks
 import pytest
@@ -235,17 +236,18 @@ def test_lossless_ep_codecs_train_bit_identically_and_int8_dispatch_stays_close(
 
 def test_allgather_dispatcher_ep_codecs_lossless_bit_identical_and_tp_codec_leaves_moe_exchanges_exact():
     """The allgather dispatcher at TP 2 x EP 2 (sequence parallel; expert TP 1, so its gathers span the EP group):
-    MPC on all four ep sites trains bit-identically to none and to no plugin; INT8 dispatch trains, differs, stays
+    MPC on all four ep sites trains bit-identically to none; INT8 dispatch trains, differs, stays
     within 1% and sends ~1/4 of the token bytes; a lossless tp codec (MPC) compresses the tensor-parallel group's
     activations only and trains bit-identically too (the router's integer token counts and the TP x EP token
     exchanges, which travel through the same Megatron functions, are not tp traffic)."""
-    runs = {"absent": [], "none": ["--zpp-policy", "none"], "mpc": EP_LOSSLESS,
-            "int8": ["--zpp-ep-dispatch", "int8:block=128"], "tp-mpc": ["--zpp-tp", "mpc"]}
+    # (none == no plugin is pinned in every layout elsewhere; four runs keep this test short)
+    runs = {"none": ["--zpp-policy", "none"], "mpc": EP_LOSSLESS, "int8": ["--zpp-ep-dispatch", "int8:block=128"],
+            "tp-mpc": ["--zpp-tp", "mpc"]}
     parallel = ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1")
     results = run_distributed(checks.moe_ep_codecs, 4, runs, 3, "allgather", parallel, ranks_per_node=2,
                               timeout_s=600)
     for r in results:
-        assert r["absent"]["losses"] == r["none"]["losses"] == r["mpc"]["losses"] == r["tp-mpc"]["losses"], r
+        assert r["none"]["losses"] == r["mpc"]["losses"] == r["tp-mpc"]["losses"], r
         assert r["int8"]["finite"] and r["int8"]["losses"] != r["none"]["losses"]
         assert abs(r["int8"]["losses"][-1] - r["none"]["losses"][-1]) <= 0.01 * r["none"]["losses"][-1]
     r = results[0]
@@ -283,13 +285,20 @@ def test_hybrid_presets_run_lossless_ep_codecs_where_the_job_has_an_expert_paral
     runs = hooks_from_args(_args("--zpp-policy", preset, *moe)).policy
     assert {d: runs.codec(d) for d in EP_DIMENSIONS} == dict.fromkeys(EP_DIMENSIONS, "mpc:dim=1")
     overlapped = _args("--zpp-policy", preset, *moe)
-    overlapped.overlap_moe_expert_parallel_comm = True  # Megatron-LM's flag (its own script)
-    for idle in (_args("--zpp-policy", preset), _args("--zpp-policy", preset, "--num-experts", "4"), overlapped):
+    overlapped.overlap_moe_expert_parallel_comm = True  # Megatron-LM's flags (its own script)
+    shared_overlap = _args("--zpp-policy", preset, *moe)
+    shared_overlap.moe_shared_expert_overlap = True
+    for idle in (_args("--zpp-policy", preset), _args("--zpp-policy", preset, "--num-experts", "4"), overlapped,
+                 shared_overlap):
         policy = hooks_from_args(idle).policy
         assert {d: policy.codec(d) for d in EP_DIMENSIONS} == dict.fromkeys(EP_DIMENSIONS, "none"), idle
         assert policy.codec("tp") == runs.codec("tp") == "mpc:dim=1"
     with pytest.raises(ConfigError, match="--zpp-ep-combine int8:block=128[^:]*: .*this model has no experts"):
         hooks_from_args(_args("--zpp-policy", preset, "--zpp-ep-combine", "int8:block=128"))
+    # a policy file of the user's own is theirs, as a flag is: refused where it cannot run, not dropped
+    mine = str(Path(__file__).resolve().parents[1] / "configs/policies/moe/zeropp-int8-dispatch.yaml")
+    with pytest.raises(ConfigError, match="--zpp-ep-dispatch int8:block=128[^:]*: .*this model has no experts"):
+        hooks_from_args(_args("--zpp-policy", mine))
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -326,3 +335,10 @@ def test_ep_codecs_refused_with_the_flex_dispatcher_and_the_overlapped_exchange(
     args.moe_token_dispatcher_type, args.overlap_moe_expert_parallel_comm = "allgather", True
     with pytest.raises(ConfigError, match="--zpp-ep-combine mpc:dim=1: --overlap-moe-expert-parallel-comm"):
         check_expert_parallel_codecs(args, policy)
+    # the allgather dispatcher's compressed collectives need the same members on every node
+    args.overlap_moe_expert_parallel_comm, args.zpp_ranks_per_node = False, 3
+    with pytest.raises(ConfigError, match="expert TP x EP = 2 consecutive ranks, which 3 ranks per node split "
+                                          "unevenly"):
+        check_expert_parallel_codecs(args, policy)
+    args.moe_token_dispatcher_type = "alltoall"  # its all-to-all has no such constraint
+    check_expert_parallel_codecs(args, policy)

@@ -54,16 +54,33 @@ def hooks_from_args(args) -> MegatronHooks:
 
 
 def without_idle_preset_ep_codecs(args, policy, config):
-    """A preset's (or YAML file's) ``ep`` codecs where the job cannot run them: off, as a preset's ``pp`` codec idles at
-    PP 1, so one preset serves dense and MoE models. Codecs given by ``--zpp-ep-*`` flags are the user's and stay,
-    for :func:`check_expert_parallel_codecs` to refuse with the reason."""
+    """A built-in preset's ``ep`` codecs where the job cannot run them, or would lose the shared experts' overlap:
+    off, as a preset's ``pp`` codec idles at PP 1, so one preset serves dense and MoE models (the policy line of
+    the log shows them as none). Codecs given by ``--zpp-ep-*`` flags or in the user's own policy file stay, for
+    :func:`check_expert_parallel_codecs` to refuse with the reason."""
     import dataclasses
+    import logging
 
+    from megatron_zpp.policy import available_presets
+
+    if config.policy not in available_presets():
+        return policy
     explicit = {d for d in EP_DIMENSIONS if getattr(config, d.replace(".", "_"), None) is not None}
     idle = [d for d in EP_DIMENSIONS if d not in explicit and policy.codec(d) != "none"]
-    if not idle or _expert_parallel_refusal(args) is None:
+    why = (_expert_parallel_refusal(args) or _shared_expert_overlap(args)) if idle else None
+    if why is None:
         return policy
+    if getattr(args, "num_experts", None) is not None:
+        logging.getLogger(__name__).info("policy %s: its ep codecs are off: %s", policy.name, why)
     return dataclasses.replace(policy, codecs=policy.codecs | {d: "none" for d in idle})
+
+
+def _shared_expert_overlap(args) -> str | None:
+    # A compressed exchange runs synchronously on the current stream: allowed when asked for by name (it is
+    # correct), but a preset should not take the overlap away unasked.
+    if getattr(args, "moe_shared_expert_overlap", False):
+        return "--moe-shared-expert-overlap overlaps the shared experts with Megatron's own exchange"
+    return None
 
 
 def _expert_parallel_refusal(args) -> str | None:
@@ -74,7 +91,8 @@ def _expert_parallel_refusal(args) -> str | None:
     if dispatcher not in ("alltoall", "allgather"):
         return (f"the ep codecs hook the alltoall and allgather token dispatchers; --moe-token-dispatcher-type is "
                 f"{dispatcher}; valid with ep codecs: alltoall, allgather")
-    if getattr(args, "expert_model_parallel_size", 1) == 1:
+    ep = getattr(args, "expert_model_parallel_size", 1)
+    if ep == 1:
         return "--expert-model-parallel-size 1 sends no tokens between ranks; give it > 1 or drop the ep codecs"
     # Megatron-LM's script: a compressed exchange is synchronous on the current stream and reads sizes to the host
     if getattr(args, "overlap_moe_expert_parallel_comm", False):
@@ -83,6 +101,17 @@ def _expert_parallel_refusal(args) -> str | None:
     if getattr(args, "cuda_graph_impl", "none") not in (None, "none") or getattr(args, "enable_cuda_graph", False):
         return ("CUDA graphs capture the dispatcher, and the ep codecs' exchange is not capturable (host reads, byte "
                 "counters); drop --cuda-graph-impl or the ep codecs")
+    if dispatcher == "allgather":
+        # its gathers and reduce-scatters run over the expert TP x EP group, consecutive ranks, whose compressed
+        # collectives need the same number of members on every node
+        from megatron_zpp.comm.topology import ranks_per_node_from_env
+
+        size = ep * (getattr(args, "expert_tensor_parallel_size", None) or 1)
+        per_node = getattr(args, "zpp_ranks_per_node", None) or ranks_per_node_from_env()
+        if per_node and size % per_node and per_node % size:
+            return (f"the allgather dispatcher exchanges over expert TP x EP = {size} consecutive ranks, which "
+                    f"{per_node} ranks per node split unevenly; make one a multiple of the other or use "
+                    "--moe-token-dispatcher-type alltoall")
     return None
 
 

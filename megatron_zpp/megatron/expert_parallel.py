@@ -46,6 +46,7 @@ import torch
 
 from megatron_zpp.comm import Topology, qgz_reduce_scatter, quantized_all_gather
 from megatron_zpp.comm.all_to_all import compressed_all_to_all
+from megatron_zpp.comm.wire import FLOAT_DTYPES
 
 # The dispatcher method running now on this thread: name "ep.dispatch" / "ep.combine"; tokens: the hidden states
 # the allgather dispatcher's token_dispatch was given (its other gathers are the routing map and probabilities).
@@ -111,22 +112,34 @@ def _reduce_scatter(input: torch.Tensor, topology: Topology, codec: str, tag: st
         from megatron.core.tensor_parallel import mappings
 
         output = mappings._reduce_scatter_along_first_dim(input, topology.group)
-        _record_ring(tag, output, topology.group, topology.ranks_per_node)
+        _record_ring(tag, _nbytes(output), topology.group, topology.ranks_per_node)
         return output
     output = input.new_empty((input.shape[0] // topology.size, *input.shape[1:]))
     qgz_reduce_scatter(output, input.contiguous(), topology, codec=codec, op="sum", tag=tag)
     return output
 
 
-def _record_ring(tag: str, shard: torch.Tensor, group, ranks_per_node, calls: int = 1) -> None:
-    """Bytes of a ring all-gather or reduce-scatter whose per-rank shard is ``shard``: ``size - 1`` shards sent
-    to the ring's next member (as quantized_all_gather's ``none`` counts them)."""
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _record_ring(tag: str, shard_bytes: int, group, ranks_per_node, calls: int = 1) -> None:
+    """Bytes of a ring all-gather or reduce-scatter whose per-rank shard has ``shard_bytes``: ``size - 1`` shards
+    sent to the ring's next member (as quantized_all_gather's ``none`` counts them)."""
     from megatron_zpp.comm.stats import comm_stats
     from megatron_zpp.comm.topology import group_layout
 
     layout = group_layout(group, ranks_per_node)
-    comm_stats().record(tag, *layout.split_ring((layout.size - 1) * shard.numel() * shard.element_size()),
-                        calls=calls)
+    comm_stats().record(tag, *layout.split_ring((layout.size - 1) * shard_bytes), calls=calls)
+
+
+NONE = ("none", "none")
+
+
+def _codable(t: torch.Tensor, tokens: bool) -> bool:
+    """Whether an allgather-dispatcher exchange takes the site's codecs: the hidden states, in a dtype the codecs
+    take (``--moe-router-dtype fp64`` makes the combine's input fp64: Megatron's exact exchange, counted)."""
+    return tokens and t.dtype in FLOAT_DTYPES
 
 
 def _calls(t: torch.Tensor) -> int:
@@ -152,12 +165,17 @@ class ExpertParallelHooks:
 
     Args:
         codec_of: the codec a dimension runs now (``MegatronHooks.codec``), read at every all-to-all.
-        ranks_per_node: for the intra- / inter-node byte split (default ``LOCAL_WORLD_SIZE``).
+        ranks_per_node: for the intra- / inter-node byte split and the compressed collectives' hops (default
+            ``LOCAL_WORLD_SIZE``, else every rank counts as its own node, as ``comm.topology.group_layout``).
+
     """
 
     def __init__(self, codec_of, ranks_per_node: int | None) -> None:
+        from megatron_zpp.comm.topology import ranks_per_node_from_env
+
         self.codec_of = codec_of
-        self.ranks_per_node = ranks_per_node
+        # one value for the counted and the compressed paths (unknown: every rank its own node, an upper bound)
+        self.ranks_per_node = ranks_per_node or ranks_per_node_from_env() or 1
         self._restore: list[tuple[object, str, object]] = []
         self._topologies: dict[tuple[int, ...], Topology] = {}
 
@@ -165,13 +183,10 @@ class ExpertParallelHooks:
         """The compressed collectives' topology of a TP x EP group, made once per group (by its members only)."""
         import torch.distributed as dist
 
-        from megatron_zpp.comm.topology import ranks_per_node_from_env
-
         ranks = tuple(dist.get_process_group_ranks(group))
         topo = self._topologies.get(ranks)
         if topo is None:
-            rpn = self.ranks_per_node or ranks_per_node_from_env() or dist.get_world_size()
-            topo = self._topologies[ranks] = Topology(group, ranks_per_node=rpn, hpz_partition_size=1)
+            topo = self._topologies[ranks] = Topology(group, ranks_per_node=self.ranks_per_node, hpz_partition_size=1)
         return topo
 
     def _patch(self, owner, name: str, value) -> None:
@@ -216,7 +231,7 @@ class ExpertParallelHooks:
             if site is None or group is None or group.size() == 1:
                 return megatron()
             tokens = input_ is getattr(_SITE, "tokens", None)
-            codecs = (hooks.codec_of(site), hooks.codec_of(f"{site}.grad")) if tokens else ("none", "none")
+            codecs = (hooks.codec_of(site), hooks.codec_of(f"{site}.grad")) if _codable(input_, tokens) else NONE
             if codecs != ("none", "none"):
                 if output_split_sizes is not None or not tensor_parallel_output_grad:
                     raise NotImplementedError(f"{site}: the ep codecs gather equal shards whose gradients are "
@@ -224,28 +239,29 @@ class ExpertParallelHooks:
                                               "call passes output_split_sizes or tensor_parallel_output_grad=False")
                 return _CodedGather.apply(input_, hooks._topology(group), codecs, site)
             output = megatron()
-            # the routing map (no gradient) and probabilities add bytes, not calls
-            rpn, calls = hooks.ranks_per_node, int(tokens)
-            _record_ring(site, input_, group, rpn, calls)
+            # the routing map (no gradient) and probabilities add bytes, not calls; the hook keeps a byte count,
+            # not the tensor (which recompute or offloading may free)
+            rpn, calls, nbytes = hooks.ranks_per_node, int(tokens), _nbytes(input_)
+            _record_ring(site, nbytes, group, rpn, calls)
             if output.requires_grad and tensor_parallel_output_grad:
-                output.register_hook(lambda grad: _record_ring(f"{site}.grad", input_, group, rpn, calls))
+                output.register_hook(lambda grad: _record_ring(f"{site}.grad", nbytes, group, rpn, calls))
             return output
 
         def reduce_scatter(input_, group=None, input_split_sizes=None, use_global_buffer=False):
             site = getattr(_SITE, "name", None)
             if site is None or group is None or group.size() == 1:
                 return original_reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
-            codecs = (hooks.codec_of(site), hooks.codec_of(f"{site}.grad"))
+            codecs = (hooks.codec_of(site), hooks.codec_of(f"{site}.grad")) if _codable(input_, True) else NONE
             if codecs != ("none", "none"):
                 if input_split_sizes is not None:
                     raise NotImplementedError(f"{site}: the ep codecs reduce-scatter equal shards (megatron-core "
                                               "0.19's allgather dispatcher); this call passes input_split_sizes")
                 return _CodedReduceScatter.apply(input_, hooks._topology(group), codecs, site)
             output = original_reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
-            rpn = hooks.ranks_per_node
-            _record_ring(site, output, group, rpn)
+            rpn, nbytes = hooks.ranks_per_node, _nbytes(output)
+            _record_ring(site, nbytes, group, rpn)
             if output.requires_grad:
-                output.register_hook(lambda grad: _record_ring(f"{site}.grad", grad, group, rpn))
+                output.register_hook(lambda grad: _record_ring(f"{site}.grad", nbytes, group, rpn))
             return output
 
         sites = (("token_dispatch", "ep.dispatch"), ("token_combine", "ep.combine"))

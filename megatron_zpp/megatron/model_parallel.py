@@ -42,11 +42,12 @@ PP_TAG, TP_TAG = "pp", "tp"
 
 
 def _is_tensor_parallel_group(group) -> bool:
-    """Whether ``group`` is Megatron's tensor-parallel group (the object: MoE's TP x EP group may have its ranks)."""
+    """Whether ``group`` is Megatron's tensor-parallel group (the object: MoE's TP x EP group may have its ranks).
+    Megatron names the group of every TP collective; ``None`` would be torch's world, not TP."""
     from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_group(check_initialized=False)
-    return group is None or group is tp
+    return group is not None and group is tp
 
 
 class ModelParallelHooks:
@@ -242,7 +243,7 @@ class ModelParallelHooks:
             original = dist.all_reduce
 
             def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-                if op != dist.ReduceOp.SUM or group is None or group.size() == 1:
+                if op != dist.ReduceOp.SUM or exact(tensor, group) or group.size() == 1:
                     return original(tensor, op=op, group=group, async_op=async_op)
                 return compressed_all_reduce(tensor, hooks._topology(group), codec=codec(), op="sum",
                                              async_op=async_op, tag=TP_TAG)

@@ -28,18 +28,16 @@ class ZppConfig:
     """Codec of pipeline-parallel p2p activations and gradients: any codec, e.g. mpc (lossless; its
     length is sent first), zfp:rate=16, int8:block=256; none leaves Megatron's p2p in place."""
     ep_dispatch: str | None = None
-    """MoE expert parallelism: codec of the token dispatch all-to-all (the tokens on their way to their experts,
-    forward), e.g. int8:block=128 (lossy: opt-in, as DeepSeek-V3's FP8 dispatch) or mpc (lossless); none leaves
-    Megatron-Core's all-to-all. The alltoall token dispatcher only."""
+    """MoE expert parallelism: codec of the token dispatch (the tokens on their way to their experts, forward: the
+    alltoall dispatcher's all-to-all, the allgather dispatcher's all-gather), e.g. int8:block=128 (lossy: opt-in,
+    as DeepSeek-V3's FP8 dispatch) or mpc (lossless); none leaves Megatron-Core's exchange."""
     ep_dispatch_grad: str | None = None
-    """Codec of the dispatch all-to-all's backward (the gradients of the dispatched tokens, travelling back);
-    default none."""
+    """Codec of the dispatch's backward (the gradients of the dispatched tokens, travelling back); default none."""
     ep_combine: str | None = None
-    """Codec of the token combine all-to-all (the experts' outputs on their way back, forward); default none
-    (DeepSeek-V3 keeps combine in bf16)."""
+    """Codec of the token combine (the experts' outputs on their way back, forward: an all-to-all, or the allgather
+    dispatcher's reduce-scatter); default none (DeepSeek-V3 keeps combine in bf16)."""
     ep_combine_grad: str | None = None
-    """Codec of the combine all-to-all's backward (the output gradients on their way to the experts); default
-    none."""
+    """Codec of the combine's backward (the output gradients on their way to the experts); default none."""
     hpz_size: int | None = None
     """hpZ secondary partition size in ranks (ZeRO-3 / Megatron-FSDP only); 1 disables; default: the
     policy's (zeropp: the whole node)."""

@@ -66,14 +66,29 @@ def workload_from_args(args, vocab: int, world: int):
                       make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                       ffn_hidden=args.ffn_hidden_size or 4 * args.hidden_size,
                       learned_position_embeddings=getattr(args, "position_embedding_type", "learned_absolute")
-                      == "learned_absolute")
+                      == "learned_absolute", **_moe_model_fields(args))
     layout = LayoutSpec(micro_batch=args.micro_batch_size, global_batch=args.global_batch_size, tp=tp, pp=pp,
+                        ep=getattr(args, "expert_model_parallel_size", 1) if getattr(args, "num_experts", None) else 1,
+                        moe_token_dispatcher=getattr(args, "moe_token_dispatcher_type", "allgather"),
                         dp=world // (tp * pp), param_bytes=2 if (args.bf16 or args.fp16) else 4,
                         grad_bytes=2 if args.fp16 else 4, zero_mode=zero_mode, bucket_size=args.ddp_bucket_size,
                         overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
                         activation_recompute=args.recompute_granularity == "full",
                         compressed_reduce_overlaps=zero_mode != "fsdp")
     return WorkloadSpec(name="this job", model=model, layout=layout)
+
+
+def _moe_model_fields(args) -> dict:
+    """The MoE fields of the model spec (none for a dense model). A ``--moe-layer-freq`` pattern (a list of 0/1 per
+    layer) becomes the frequency with the same number of MoE layers, as the model spreads them uniformly."""
+    experts = getattr(args, "num_experts", None)
+    if not experts:
+        return {}
+    freq = getattr(args, "moe_layer_freq", 1)
+    if isinstance(freq, (list, tuple)):
+        freq = max(1, round(len(freq) / max(1, sum(freq))))
+    return {"num_experts": experts, "moe_topk": args.moe_router_topk, "moe_layer_freq": freq,
+            "moe_ffn_hidden": getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size or 4 * args.hidden_size}
 
 
 @dataclass
