@@ -77,9 +77,7 @@ class _CodedGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, topology, codecs, site):
         ctx.topology, ctx.codecs, ctx.site = topology, codecs, site
-        output = input.new_empty((topology.size * input.shape[0], *input.shape[1:]))
-        quantized_all_gather(output, input.contiguous(), topology, codec=codecs[0], tag=site)
-        return output
+        return _all_gather(input, topology, codecs[0], site)
 
     @staticmethod
     def backward(ctx, grad):
@@ -97,10 +95,14 @@ class _CodedReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        topology = ctx.topology
-        output = grad.new_empty((topology.size * grad.shape[0], *grad.shape[1:]))
-        quantized_all_gather(output, grad.contiguous(), topology, codec=ctx.codecs[1], tag=f"{ctx.site}.grad")
-        return output, None, None, None
+        return _all_gather(grad, ctx.topology, ctx.codecs[1], f"{ctx.site}.grad"), None, None, None
+
+
+def _all_gather(input: torch.Tensor, topology: Topology, codec: str, tag: str) -> torch.Tensor:
+    """Every member's ``input`` stacked along the first dimension, in group order (``none``: a plain all-gather)."""
+    output = input.new_empty((topology.size * input.shape[0], *input.shape[1:]))
+    quantized_all_gather(output, input.contiguous(), topology, codec=codec, tag=tag)
+    return output
 
 
 def _reduce_scatter(input: torch.Tensor, topology: Topology, codec: str, tag: str) -> torch.Tensor:
