@@ -123,6 +123,10 @@ def test_presets_and_deepspeed_aliases(tmp_path):
     z = resolve_policy(ZppConfig(policy="zhybrid"))
     assert z.codec("dp.grad").startswith("zfp:rate=8") and all(z.codec(d).startswith("zfp:rate=16")
                                                                for d in ("dp.param", "tp", "pp"))
+    # the startup log's summary names every knob the traffic depends on, not only the per-dimension codecs
+    sdp = resolve_policy(ZppConfig(policy="sdp4bit", dp_param_resync_interval=50)).summary()
+    assert "dp.grad.intra=int8:block=512" in sdp and "hpz_size=node" in sdp and "every 50 iterations" in sdp
+    assert "intra" not in resolve_policy(ZppConfig(policy="zeropp")).summary()
     for preset in ("mzhybrid", "zhybrid", "hybrid"):  # each says where it comes from
         assert resolve_policy(ZppConfig(policy=preset)).description.strip()
     f = tmp_path / "ds.yaml"

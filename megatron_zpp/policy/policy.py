@@ -76,6 +76,27 @@ class Policy:
         """Whether installing the policy leaves Megatron's training bit-identical."""
         return all(c == "none" for c in self.codecs.values()) and self.dp_uncompressed == "megatron"
 
+    def summary(self) -> str:
+        """One line for the startup log: every dimension's codec, then each knob that is not its default (the
+        intra-node hop, hpZ, qWD), so a log says everything the run's traffic depends on."""
+        parts = [f"{d}={c}" for d, c in self.codecs.items()]
+        if self.dp_grad_intra is not None and self.dp_grad_intra != self.codecs["dp.grad"]:
+            parts.insert(1, f"dp.grad.intra={self.dp_grad_intra}")
+        if self.hpz_size != 1:
+            parts.append(f"hpz_size={'node' if self.hpz_size is None else self.hpz_size}")
+        if self.qgz_stages != 1:
+            parts.append(f"qgz_stages={self.qgz_stages}")
+        if self.dp_grad_until != 1.0:
+            parts.append(f"dp_grad_until={self.dp_grad_until}")
+        if self.dp_uncompressed != "megatron":
+            parts.append(f"dp_uncompressed={self.dp_uncompressed}")
+        if self.error_feedback:
+            parts.append("error_feedback")
+        if self.param_difference:
+            n = self.param_resync_interval
+            parts.append(f"param_difference (exact resync {f'every {n} iterations and ' if n else ''}at start and load)")
+        return ", ".join(parts)
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d.pop("description")

@@ -113,7 +113,7 @@ class IterationLogger:
         a = self.args
         self.log(f"> megatron_zpp: world {world} = TP {a.tensor_model_parallel_size} x PP "
                  f"{a.pipeline_model_parallel_size} x DP {a.data_parallel_size}; policy {self.policy.name}: "
-                 + ", ".join(f"{d}={c}" for d, c in self.policy.codecs.items()))
+                 + self.policy.summary())
         self.log(f"> data: {data}; tokenizer {a.tokenizer_type} (vocabulary padded to {a.padded_vocab_size}); "
                  f"global batch {a.global_batch_size} ({a.num_microbatches} micro-batches of {a.micro_batch_size})")
         comm_stats().reset()
