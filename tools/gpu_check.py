@@ -37,6 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+
+from process_group import stop_process_group  # noqa: E402
 STEPS_DIR = REPO / "tools" / "gpu_steps"
 SCHEMA = "megatron_zpp.gpu_report/1"
 STATUSES = ("pass", "fail", "timeout", "unsupported", "skipped")
@@ -123,24 +126,7 @@ def tail(path: Path) -> str:
     return "\n".join(text.splitlines()[-TAIL_LINES:])[-TAIL_CHARS:]
 
 
-KILL_MARGIN_S = 12.0  # kill_group's worst case (5 s + 5 s) and the report's write
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the step's process group, SIGKILL it 5 s later if anything is left."""
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            continue
-        try:  # the leader is gone; anything else left in its group gets the same signal
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            return
+KILL_MARGIN_S = 12.0  # stop_process_group's worst case (5 s + 5 s) and the report's write
 
 
 def run_step(step: Step, out: Path, quick: bool, limit: float, env: dict) -> dict:
@@ -171,9 +157,9 @@ def run_step(step: Step, out: Path, quick: bool, limit: float, env: dict) -> dic
             proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
             record["timed_out"] = True
-            kill_group(proc)
+            stop_process_group(proc, term_grace_s=5.0)
         except KeyboardInterrupt:  # its own session does not get the terminal's Ctrl-C: end it too
-            kill_group(proc)
+            stop_process_group(proc, term_grace_s=5.0)
             raise
         else:
             try:  # the step is done; helpers it left behind in its group are not
@@ -291,7 +277,7 @@ def orchestrate(steps: list[Step], out: Path, *, quick: bool = False, budget_s: 
         left, why = float("inf"), ""
         if not step.setup and budget_s > 0:
             left, why = budget_s - budget_used, f"the {budget_s:.0f} s budget of the run is spent"
-        # a step cut at its limit takes up to KILL_MARGIN_S more to be killed (kill_group) and reported
+        # a step cut at its limit takes up to KILL_MARGIN_S more to be killed (stop_process_group) and reported
         if deadline_s > 0 and deadline_s - KILL_MARGIN_S - (time.perf_counter() - t0) < left:
             left, why = (deadline_s - KILL_MARGIN_S - (time.perf_counter() - t0),
                          f"the run's {deadline_s:.0f} s deadline is near")

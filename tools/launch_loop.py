@@ -40,6 +40,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+
+from process_group import stop_process_group  # noqa: E402
 
 # The launch of docs/performance.md's crash, made as short as it can be: the soak's tiny GPT (tools/soak.py),
 # Megatron-FSDP with both overlaps (the crashing path), policy none (Megatron's own collectives), 2 iterations
@@ -98,14 +101,6 @@ def launch_env(args, malloc_check: bool | None = None, flight_recorder: str | No
     return env
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
 def one_launch(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float) -> dict:
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
@@ -115,9 +110,9 @@ def one_launch(cmd: list[str], env: dict[str, str], log_path: Path, timeout: flo
             timed_out = False
         except subprocess.TimeoutExpired:
             code, timed_out = None, True
-            _kill_group(proc)
+            stop_process_group(proc, term_grace_s=None)
         except BaseException:
-            _kill_group(proc)
+            stop_process_group(proc, term_grace_s=None)
             raise
     text = log_path.read_text(errors="replace")
     record = {"returncode": code, "seconds": round(time.perf_counter() - t0, 1), "timed_out": timed_out}

@@ -43,9 +43,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
 
 from megatron_zpp.policy.cli import field_docs  # noqa: E402  (the CLI's help from the dataclass docstrings)
 from megatron_zpp.training.nic import tcp_payload_bytes  # noqa: E402  (one definition of the header arithmetic)
+from process_group import stop_process_group  # noqa: E402
 PREFIX = "zpp"  # every namespace, bridge and veth this tool makes starts with it (see --teardown-stale)
 SUBNET = "10.77.0"
 RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
@@ -338,7 +340,7 @@ class EmulatedCluster:
                 time.sleep(0.2)
         finally:
             for p in procs:
-                _kill_group(p)
+                stop_process_group(p, term_grace_s=10)
             for t in threads:
                 t.join(timeout=10)
             if log:
@@ -358,18 +360,6 @@ def terminate_like_ctrl_c() -> None:
     def handler(*_):
         raise KeyboardInterrupt("SIGTERM")
     signal.signal(signal.SIGTERM, handler)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 @dataclass

@@ -47,8 +47,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
 
 from megatron_zpp.policy.policy import available_presets  # noqa: E402
+from process_group import stop_process_group  # noqa: E402
 from megatron_zpp.training.soak_stats import (rss_slope_mb_per_100, scratch_growth, traffic_consistency,  # noqa: E402
                                               value_at, variable_size_tags)
 
@@ -158,9 +160,9 @@ def launch(spec: RunSpec, args, run_dir: Path, attempt: int) -> tuple[dict, Path
         except subprocess.TimeoutExpired:
             record["returncode"] = None
             record["timed_out"] = True
-            _kill_group(proc)
+            stop_process_group(proc, term_grace_s=15)
         except BaseException:  # Ctrl-C: leave no ranks behind
-            _kill_group(proc)
+            stop_process_group(proc, term_grace_s=15)
             raise
     record["seconds"] = time.perf_counter() - t0
     text = log_path.read_text(errors="replace")
@@ -171,20 +173,6 @@ def launch(spec: RunSpec, args, run_dir: Path, attempt: int) -> tuple[dict, Path
     if crash:
         record["heap_corruption"] = crash.group(1).strip()
     return record, summary_path
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the launch's process group (torchrun forwards it to the ranks), SIGKILL what is left."""
-    for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def analyse(result: RunResult, summary: dict, args) -> None:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from megatron_zpp.compression import get_codec
 from megatron_zpp.comm import (HeldShard, comm_timers, compressed_all_reduce, qgz_reduce_scatter, quantized_all_gather,
                                weight_difference_all_gather)
+from megatron_zpp.megatron.replica_check import is_expert_parameter
 
 GRAD_TAG, PARAM_TAG = "dp.grad", "dp.param"
 
@@ -277,7 +278,7 @@ class DdpRouting:
 
 
 def _is_expert_bucket(bucket) -> bool:
-    return any(not getattr(p, "allreduce", True) for p in bucket.params_list)
+    return any(is_expert_parameter(p) for p in bucket.params_list)
 
 
 def _buffer_ranges(optimizer) -> list[tuple[int, int]] | None:

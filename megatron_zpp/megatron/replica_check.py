@@ -43,10 +43,17 @@ def _digest(params: list[torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
+def is_expert_parameter(p: torch.Tensor) -> bool:
+    """Whether Megatron-Core marked ``p`` an MoE expert weight (``allreduce=False``): it is reduced and gathered over
+    the expert-data-parallel group, not the dense one. The one test of it that the hooks, the replica checks and the
+    run log share."""
+    return not getattr(p, "allreduce", True)
+
+
 def is_expert_module(name: str, params: list[torch.Tensor]) -> bool:
     """Whether a module holds MoE expert weights: Megatron-Core's DDP marks them ``allreduce=False``; Megatron-FSDP's
     parameters lose that attribute, and it goes by the name (``.experts.``), as here."""
-    return any(not getattr(p, "allreduce", True) for p in params) or ".experts." in f".{name}."
+    return any(is_expert_parameter(p) for p in params) or ".experts." in f".{name}."
 
 
 class ReplicaWeightCheck:

@@ -61,13 +61,15 @@ def dp_replicas_identical(models) -> bool | None:
     ``None`` for models too large to digest at the end of a run."""
     from megatron.core import parallel_state
 
+    from megatron_zpp.megatron.replica_check import is_expert_parameter
+
     params = [p for m in models for p in m.parameters()]
     if any(hasattr(p, "to_local") for p in params):
         return None  # ZeRO-3 (Megatron-FSDP): parameters are DTensor shards, there are no replicas
     if sum(p.numel() for p in params) > REPLICA_CHECK_MAX_NUMEL:
         return None
-    expert = [p for p in params if not getattr(p, "allreduce", True)]
-    dense = [p for p in params if getattr(p, "allreduce", True)]
+    expert = [p for p in params if is_expert_parameter(p)]
+    dense = [p for p in params if not is_expert_parameter(p)]
     same = _identical_over(dense, parallel_state.get_data_parallel_group())
     if expert:
         same = _identical_over(expert, parallel_state.get_expert_data_parallel_group()) and same
