@@ -236,3 +236,29 @@ def test_launch_rank_reads_torchrun_then_slurm(monkeypatch):
     assert launch_rank() == 1
     monkeypatch.setenv("RANK", "x")
     assert launch_rank() == 3
+
+
+def test_error_feedback_with_virtual_pipeline_stages_is_refused_naming_both():
+    """Error-feedback residuals are named by a bucket's index in its model chunk; virtual pipeline stages are
+    chunks of their own, whose same-numbered buckets would share a residual silently: refused at start-up."""
+    from megatron_zpp.megatron import hooks_from_args
+
+    flags = ["--global-batch-size", "16", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+             "--num-layers-per-virtual-pipeline-stage", "1", "--zpp-policy", "zeropp", "--zpp-dp-grad-error-feedback"]
+    with pytest.raises(ConfigError, match="--zpp-dp-grad-error-feedback.*--num-layers-per-virtual-pipeline-stage 1"):
+        hooks_from_args(_config(flags, world=4))
+    hooks_from_args(_config(flags[:-1], world=4))  # either one alone is fine
+    hooks_from_args(_config(flags[:6] + flags[8:], world=4))
+
+
+def test_expert_data_parallel_groups_split_unevenly_over_nodes_are_refused_at_start_up():
+    """EP=4 on nodes of 6 ranks: the expert-data-parallel groups (stride 4) put 2, 1, 2, 1 members on the nodes,
+    which the compressed collectives cannot split into hops; refused before training, not at the first gather."""
+    from megatron_zpp.megatron import hooks_from_args
+
+    flags = ["--num-experts", "4", "--expert-model-parallel-size", "4", "--zpp-ranks-per-node", "6",
+             "--global-batch-size", "48", "--zpp-policy", "zeropp"]
+    with pytest.raises(ConfigError, match="expert TP x EP = 4 ranks, which 6 ranks per node split unevenly"):
+        hooks_from_args(_config(flags, world=12))
+    hooks_from_args(_config(flags[:-1] + ["none"], world=12))  # Megatron's own collectives: nothing to split
+    hooks_from_args(_config(flags[:5] + ["4"] + flags[6:], world=12))  # 4 per node: even

@@ -85,9 +85,10 @@ MOE_LAYOUTS = {
 def test_expert_replicas_compute_with_identical_weights_at_every_use(layout):
     """A MoE GPT (4 experts, top-2, EP=2 on 2 simulated nodes x 2: expert-data-parallel 2, data-parallel 4):
     dense modules compared over the data-parallel group and expert modules over the expert-data-parallel group at
-    every forward and backward use, under none (bit-identical to no plugin), fair and zeropp with error feedback;
-    the aux loss is logged."""
-    policies = ["none", "fair", "zeropp-ef"]
+    every forward and backward use, under none (bit-identical to no plugin), fair, zeropp with error feedback and
+    sdp4bit (on Megatron-FSDP the expert-data-parallel group has one member per node, so no hpZ copy: its expert
+    buckets gather with qwZ's INT8 while the dense ones take 4-bit weight differences); the aux loss is logged."""
+    policies = ["none", "fair", "zeropp-ef", "sdp4bit"]
     results = run_distributed(checks.moe_replicas, 4, MOE_LAYOUTS[layout], policies, 3, ranks_per_node=2,
                               timeout_s=600)
     for rank, by_policy in enumerate(results):
@@ -214,12 +215,16 @@ def test_lossless_ep_codecs_train_bit_identically_and_int8_dispatch_stays_close(
     to no plugin; INT8 dispatch trains, differs, stays within 1% of none's loss after 4 iterations and sends ~1/4
     of the dispatch bytes; every site's bytes are counted."""
     runs = {"absent": [], "none": ["--zpp-policy", "none"], "mpc": EP_LOSSLESS,
-            "int8": ["--zpp-ep-dispatch", "int8:block=128"]}
+            "int8": ["--zpp-ep-dispatch", "int8:block=128"],
+            "int8-grad": ["--zpp-ep-dispatch-grad", "int8:block=128"]}
     results = run_distributed(checks.moe_ep_codecs, 4, runs, 4, ranks_per_node=2, timeout_s=600)
     for r in results:
         assert r["absent"]["losses"] == r["none"]["losses"] == r["mpc"]["losses"], r
         assert r["int8"]["finite"] and r["int8"]["losses"] != r["none"]["losses"]
         assert abs(r["int8"]["losses"][-1] - r["none"]["losses"][-1]) <= 0.01 * r["none"]["losses"][-1]
+        # the backward codec alone: the first forward is none's to the bit, the coded gradients change the rest
+        grad = r["int8-grad"]["losses"]
+        assert grad[0] == r["none"]["losses"][0] and grad[1:] != r["none"]["losses"][1:], (grad, r["none"]["losses"])
     r = results[0]
     assert set(r["none"]["traffic"]) == {"ep.dispatch", "ep.dispatch.grad", "ep.combine", "ep.combine.grad"}
     for name in ("none", "mpc", "int8"):
@@ -232,6 +237,9 @@ def test_lossless_ep_codecs_train_bit_identically_and_int8_dispatch_stays_close(
     # the tokens at ~(1 + 4/128)/4 of their bytes; the routing probabilities (1/hidden of them) exact
     assert 0.2 < ratio(r["int8"]["traffic"]["ep.dispatch"]) < 0.32, r["int8"]["traffic"]
     assert ratio(r["int8"]["traffic"]["ep.combine"]) == 1.0
+    assert ratio(r["int8"]["traffic"]["ep.dispatch.grad"]) == 1.0  # each site's codec on its own direction only
+    assert ratio(r["int8-grad"]["traffic"]["ep.dispatch"]) == 1.0
+    assert 0.2 < ratio(r["int8-grad"]["traffic"]["ep.dispatch.grad"]) < 0.32, r["int8-grad"]["traffic"]
 
 
 def test_allgather_dispatcher_ep_codecs_lossless_bit_identical_and_tp_codec_leaves_moe_exchanges_exact():

@@ -39,6 +39,8 @@ def hooks_from_args(args) -> MegatronHooks:
     if policy.param_difference:
         check_weight_differences(args, policy.name, policy.hpz_size)
     check_expert_parallel_codecs(args, policy)
+    check_expert_data_parallel_layout(args, policy)
+    check_error_feedback(args, policy)
 
     def megatron_lm_iteration() -> tuple[int, int | None]:
         # train_iters: set by Megatron-LM from --train-iters, or from --train-samples inside pretrain().
@@ -51,6 +53,38 @@ def hooks_from_args(args) -> MegatronHooks:
         model_parallel = model_parallel_codecs(parse_allow(auto_config_from_args(args).allow))
     return MegatronHooks(policy, ranks_per_node=args.zpp_ranks_per_node, iteration_source=megatron_lm_iteration,
                          model_parallel_codecs=model_parallel)
+
+
+def check_expert_data_parallel_layout(args, policy) -> None:
+    """Refuse, at start-up rather than at the first expert collective, an MoE layout whose expert-data-parallel
+    groups the nodes split unevenly while the policy routes data-parallel traffic through megatron_zpp's
+    collectives (their intra- / inter-node hops need the same number of members on every node). Megatron-Core
+    strides those groups by expert TP x EP, so they are even exactly when that block and the ranks per node
+    divide one another (as for the allgather dispatcher's TP x EP group)."""
+    from megatron_zpp.comm.topology import ranks_per_node_from_env
+
+    if getattr(args, "num_experts", None) is None or policy.is_identity:
+        return
+    block = _expert_block(args)
+    per_node = getattr(args, "zpp_ranks_per_node", None) or ranks_per_node_from_env()
+    if block > 1 and per_node and block % per_node and per_node % block:
+        raise ConfigError(f"policy {policy.name!r}: the expert-data-parallel groups stride by expert TP x EP = "
+                          f"{block} ranks, which {per_node} ranks per node split unevenly over the nodes (the "
+                          "compressed and hierarchical collectives need as many members on every node); make one a "
+                          "multiple of the other, or use --zpp-policy none")
+
+
+def check_error_feedback(args, policy) -> None:
+    """Refuse error feedback with virtual pipeline stages: its residuals are named by a bucket's index in its model
+    chunk (stable across checkpoints), and each virtual stage is a chunk of its own whose buckets count from 0
+    again, so chunks of identical layers would share one residual without any size check noticing."""
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    if policy.error_feedback and ((vpp or 1) > 1 or per_stage):
+        raise ConfigError(f"policy {policy.name!r}: --zpp-dp-grad-error-feedback keeps one residual per gradient "
+                          "bucket of a model chunk; with virtual pipeline stages (--num-layers-per-virtual-pipeline-"
+                          f"stage {per_stage}, virtual pipeline size {vpp}) the chunks' buckets would share them; "
+                          "drop one of the two")
 
 
 def without_idle_preset_ep_codecs(args, policy, config):
@@ -106,13 +140,20 @@ def _expert_parallel_refusal(args) -> str | None:
         # collectives need the same number of members on every node
         from megatron_zpp.comm.topology import ranks_per_node_from_env
 
-        size = ep * (getattr(args, "expert_tensor_parallel_size", None) or 1)
+        size = _expert_block(args)
         per_node = getattr(args, "zpp_ranks_per_node", None) or ranks_per_node_from_env()
         if per_node and size % per_node and per_node % size:
             return (f"the allgather dispatcher exchanges over expert TP x EP = {size} consecutive ranks, which "
                     f"{per_node} ranks per node split unevenly; make one a multiple of the other or use "
                     "--moe-token-dispatcher-type alltoall")
     return None
+
+
+def _expert_block(args) -> int:
+    """Expert TP x EP: the size of the consecutive-rank groups MoE's token exchange runs over, and the stride of the
+    expert-data-parallel groups (Megatron-Core's expert TP defaults to the dense TP)."""
+    etp = getattr(args, "expert_tensor_parallel_size", None) or getattr(args, "tensor_model_parallel_size", 1) or 1
+    return (getattr(args, "expert_model_parallel_size", 1) or 1) * etp
 
 
 def check_expert_parallel_codecs(args, policy) -> None:

@@ -208,8 +208,10 @@ class ExpertParallelHooks:
                                            use_nccl_stream=use_nccl_stream)
             if group.size() == 1:
                 return input_  # as Megatron-Core: nothing to exchange
-            # the routing weights (one value per row) travel exactly: a lossy code would reweigh expert outputs
-            codecs = (hooks.codec_of(site), hooks.codec_of(f"{site}.grad")) if input_.dim() > 1 else ("none", "none")
+            # Only the tensor token_dispatch / token_combine was given is coded (megatron-core 0.19 passes it
+            # through unchanged); the routing weights travel exactly: a lossy code would reweigh expert outputs.
+            tokens = input_ is getattr(_SITE, "tokens", None)
+            codecs = (hooks.codec_of(site), hooks.codec_of(f"{site}.grad")) if tokens else ("none", "none")
             if codecs != ("none", "none"):
                 return _CodedAllToAll.apply(group, input_, _host(output_split_sizes_), _host(input_split_sizes), site,
                                             codecs, hooks.ranks_per_node)

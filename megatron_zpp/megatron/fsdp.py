@@ -16,6 +16,10 @@ qWD (``dp_param_difference``) here: every gather, forward and backward, is an in
 copy, held in the weights' dtype; after each weight install (invalidated) the first gather of a bucket
 exchanges each shard's 4-bit difference across nodes to the ranks holding its copy
 (``hpz_weight_difference_all_gather``); the first gather ever, after a load or a resync, is full precision.
+
+A group with one member per node (an MoE expert-data-parallel group once EP fills the node) has no hpZ copy
+(``hpz_partitioned``): hpZ over one rank would hold every shard. Its buckets gather with qwZ, forward and
+backward, and under qWD with zeropp's INT8 weights (there is no copy to take differences against).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from megatron_zpp.comm import (HeldShard, HpzShard, Topology, comm_timers, hpz_a
                                hpz_weight_difference_all_gather, quantized_all_gather)
 from megatron_zpp.comm.wire import wire_format
 from megatron_zpp.megatron.ddp import PARAM_TAG
+from megatron_zpp.policy.policy import ZEROPP_WEIGHTS
 
 PARAM_BWD_TAG = "dp.param.bwd"
 
@@ -40,6 +45,13 @@ class FsdpRouting:
     @property
     def hpz_enabled(self) -> bool:
         return self.policy.hpz_size != 1
+
+    @staticmethod
+    def hpz_partitioned(topo: Topology) -> bool:
+        """Whether ``topo`` (a gather topology from ``topology(group, hpz=True)``) has an hpZ secondary partition:
+        more than one member per partition. A group with one member per node (an MoE expert-data-parallel group
+        once EP fills the node) has none: its backward gathers are qwZ gathers again, and qWD falls back to them."""
+        return topo.hpz_size > 1
 
     def invalidate_secondary(self) -> None:
         """Mark every hpZ secondary copy stale (the weights changed: optimizer step, checkpoint load)."""
@@ -131,10 +143,6 @@ class FsdpRouting:
         """qWD on Megatron-FSDP: the bucket's hpZ secondary copy in the weights' dtype, and this rank's held
         shard (what every replica holds of its own shard)."""
         key = ("qwd", id(pipeline), bucket_id)
-        if topo.hpz_size == 1 and topo.size > 1:  # one rank per node, or --zpp-hpz-size 1 set otherwise
-            raise ValueError(f"policy {self.policy.name!r}: qWD on Megatron-FSDP keeps the weights in the hpZ "
-                             f"secondary copy, {topo.size} shards per rank with an hpZ partition of 1 rank (the whole "
-                             "model on every rank); it needs ranks per node > 1 and --zpp-hpz-size node or > 1")
         self._hpz_shards.pop((id(pipeline), bucket_id), None)  # the plain hpZ copy of a suspension (divergence guard)
         shard = self._hpz_shards.get(key)
         if shard is None or shard.shard_numel != shard_input.numel() or shard.dtype != shard_input.dtype:
@@ -163,8 +171,15 @@ class FsdpRouting:
             if hooks.policy.param_difference and not difference:  # suspended: resync when qWD resumes
                 hooks._held_shards.pop(("qwd", id(pipeline), bucket_id), None)
                 hooks._hpz_shards.pop(("qwd", id(pipeline), bucket_id), None)
-            if difference:
+            gather_codec, differences = codec, difference
+            if differences:
                 topo = hooks.topology(group, hpz=True)
+                if not (hooks.hpz_partitioned(topo) or topo.size == 1):
+                    # No hpZ copy to take differences against (one member per node: an MoE expert group once
+                    # EP fills the node): this bucket gathers its weights with ZeRO++'s INT8 (qwZ) instead of
+                    # the 4-bit difference codec, which is too coarse for the weights themselves.
+                    differences, gather_codec = False, ZEROPP_WEIGHTS
+            if differences:
                 wbuf = pipeline.get_fsdp_buffer(bucket_id, bwd)
                 _zero_padding(input_tensor, wbuf, wbuf.shard_bucket_index.bucket_data_index)  # no garbage in a block
                 shard, held = hooks._difference_state(pipeline, bucket_id, input_tensor, topo)
@@ -175,12 +190,13 @@ class FsdpRouting:
                     return None
                 hooks._pending_gathers[(id(pipeline), pipeline.get_bucket_key(bucket_id, bwd))] = handle
                 return handle
-            if hooks._megatron_runs(codec) and not hooks.hpz_enabled:
+            if hooks._megatron_runs(gather_codec) and not hooks.hpz_enabled:
                 hooks._record_torch(tag, "all_gather", group, input_tensor.numel() * input_tensor.element_size(),
                                     input_tensor.device)
                 return original(output_tensor, input_tensor, group=group, async_op=async_op)
             topo = hooks.topology(group, hpz=hooks.hpz_enabled)
-            shard = hooks._hpz_shard(pipeline, bucket_id, input_tensor, topo, codec) if hooks.hpz_enabled else None
+            hpz = hooks.hpz_enabled and hooks.hpz_partitioned(topo)
+            shard = hooks._hpz_shard(pipeline, bucket_id, input_tensor, topo, gather_codec) if hpz else None
             key = (id(pipeline), pipeline.get_bucket_key(bucket_id, bwd))
             if bwd and shard is not None and shard.valid:
                 handle = hpz_all_gather(output_tensor, shard, topo, async_op=True, tag=tag)
@@ -191,10 +207,10 @@ class FsdpRouting:
                 return handle
             # Forward (or a backward gather with no fresh secondary copy): the full qwZ gather,
             # which also refreshes this bucket's hpZ rows.
-            if codec != "none":
+            if gather_codec != "none":
                 wbuf = pipeline.get_fsdp_buffer(bucket_id, bwd)
                 _zero_padding(input_tensor, wbuf, wbuf.shard_bucket_index.bucket_data_index)
-            handle = quantized_all_gather(output_tensor, input_tensor, topo, codec=codec, async_op=True, tag=tag,
+            handle = quantized_all_gather(output_tensor, input_tensor, topo, codec=gather_codec, async_op=True, tag=tag,
                                           hpz_shard=shard)
             if not async_op:
                 handle.wait()
