@@ -258,7 +258,23 @@ def test_expert_data_parallel_groups_split_unevenly_over_nodes_are_refused_at_st
 
     flags = ["--num-experts", "4", "--expert-model-parallel-size", "4", "--zpp-ranks-per-node", "6",
              "--global-batch-size", "48", "--zpp-policy", "zeropp"]
-    with pytest.raises(ConfigError, match="expert TP x EP = 4 ranks, which 6 ranks per node split unevenly"):
-        hooks_from_args(_config(flags, world=12))
+    for policy in ("zeropp", "auto"):  # auto starts as none but may switch to a policy that routes them
+        with pytest.raises(ConfigError, match="expert TP x EP = 4 ranks, which 6 ranks per node split unevenly"):
+            hooks_from_args(_config(flags[:-1] + [policy], world=12))
     hooks_from_args(_config(flags[:-1] + ["none"], world=12))  # Megatron's own collectives: nothing to split
+    hooks_from_args(_config(flags[:-1] + ["none", "--zpp-ep-dispatch", "mpc", "--moe-token-dispatcher-type",
+                                          "alltoall"], world=12))  # ep codecs only: data parallel is Megatron's
     hooks_from_args(_config(flags[:5] + ["4"] + flags[6:], world=12))  # 4 per node: even
+
+
+def test_weight_differences_on_megatron_fsdp_need_a_data_parallel_group_with_an_hpz_copy():
+    """qWD on Megatron-FSDP keeps the weights in the hpZ copy inside a node: with TP filling the node the dense
+    data-parallel group has one member per node and no copy, refused at start-up, naming the sizes."""
+    from megatron_zpp.megatron import hooks_from_args
+
+    flags = ["--use-megatron-fsdp", "--bf16", "--tensor-model-parallel-size", "2", "--zpp-ranks-per-node", "2",
+             "--zpp-policy", "sdp4bit"]
+    with pytest.raises(ConfigError, match="with 2 ranks per node and TP x CP = 2 the data-parallel group has one "
+                                          "member per node"):
+        hooks_from_args(_config(flags, world=4))
+    hooks_from_args(_config(flags[:5] + ["4"] + flags[6:], world=8))  # 2 data-parallel members per node

@@ -369,6 +369,20 @@ def test_moe_workload_counts_expert_parameters_and_token_traffic():
         predict(cluster, dataclasses.replace(workload, layout=dataclasses.replace(workload.layout, ep=16)), "zeropp")
 
 
+def test_fsdp_expert_groups_with_one_member_per_node_gather_again_in_backward():
+    """Megatron-FSDP, zeropp: the dense data-parallel group (2 members per node here) keeps its hpZ copy, so its
+    backward gathers stay inside the node; the expert-data-parallel group (EP=8 fills the 8-rank node: one member
+    per node) has none, as the hooks run it, and its backward gathers cross nodes like the forward ones."""
+    workload = load_workload(MIXTRAL)
+    fsdp = dataclasses.replace(workload, layout=dataclasses.replace(workload.layout, zero_mode="fsdp"))
+    cluster = _cluster(nodes=16, ranks_per_node=8)
+    dense_only = dataclasses.replace(fsdp, model=dataclasses.replace(fsdp.model, num_experts=None),
+                                     layout=dataclasses.replace(fsdp.layout, ep=1))
+    assert predict(cluster, dense_only, "zeropp").bytes["dp.param.bwd"].inter == 0  # hpZ: inside the node
+    with_experts = predict(cluster, fsdp, "zeropp").bytes
+    assert with_experts["dp.param.bwd"].inter > 0.9 * with_experts["dp.param"].inter > 0, with_experts
+
+
 def test_allgather_dispatcher_moves_every_token_to_every_expert_rank():
     """Megatron's default dispatcher gathers all of the EP group's tokens to each member (ring) and reduce-scatters
     the outputs back: ep / top-k times the alltoall dispatcher's bytes (8 / 2 for the Mixtral-like preset), forward

@@ -63,7 +63,7 @@ def check_expert_data_parallel_layout(args, policy) -> None:
     divide one another (as for the allgather dispatcher's TP x EP group)."""
     from megatron_zpp.comm.topology import ranks_per_node_from_env
 
-    if getattr(args, "num_experts", None) is None or policy.is_identity:
+    if getattr(args, "num_experts", None) is None or not _routes_data_parallel(policy):
         return
     block = _expert_block(args)
     per_node = getattr(args, "zpp_ranks_per_node", None) or ranks_per_node_from_env()
@@ -71,7 +71,15 @@ def check_expert_data_parallel_layout(args, policy) -> None:
         raise ConfigError(f"policy {policy.name!r}: the expert-data-parallel groups stride by expert TP x EP = "
                           f"{block} ranks, which {per_node} ranks per node split unevenly over the nodes (the "
                           "compressed and hierarchical collectives need as many members on every node); make one a "
-                          "multiple of the other, or use --zpp-policy none")
+                          "multiple of the other, or leave the data-parallel collectives to Megatron (--zpp-dp-grad "
+                          "none --zpp-dp-param none --zpp-dp-uncompressed megatron)")
+
+
+def _routes_data_parallel(policy) -> bool:
+    """Whether any data-parallel collective may go through megatron_zpp's collectives under ``policy`` (auto may
+    switch to a policy that does; hpZ builds its topology even with uncompressed weights)."""
+    return (policy.name == "auto" or policy.codec("dp.grad") != "none" or policy.codec("dp.param") != "none"
+            or policy.dp_uncompressed != "megatron" or policy.hpz_size != 1)
 
 
 def check_error_feedback(args, policy) -> None:
@@ -80,7 +88,9 @@ def check_error_feedback(args, policy) -> None:
     again, so chunks of identical layers would share one residual without any size check noticing."""
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
     per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
-    if policy.error_feedback and ((vpp or 1) > 1 or per_stage):
+    # validated arguments say it in vpp (None when the layers make one virtual stage per rank: plain 1F1B)
+    interleaved = (vpp or 1) > 1 if hasattr(args, "virtual_pipeline_model_parallel_size") else bool(per_stage)
+    if policy.error_feedback and interleaved:
         raise ConfigError(f"policy {policy.name!r}: --zpp-dp-grad-error-feedback keeps one residual per gradient "
                           "bucket of a model chunk; with virtual pipeline stages (--num-layers-per-virtual-pipeline-"
                           f"stage {per_stage}, virtual pipeline size {vpp}) the chunks' buckets would share them; "
@@ -182,6 +192,17 @@ def check_weight_differences(args, policy_name: str, hpz_size: int | None = None
             refuse("on Megatron-FSDP keeps the weights in the hpZ secondary copy (size / hpz_size shards per "
                    "rank): --zpp-hpz-size 1 would hold the whole model on every rank; use --zpp-hpz-size node "
                    "(or a divisor of the ranks per node above 1)")
+        from megatron_zpp.comm.topology import ranks_per_node_from_env
+
+        # Megatron strides the data-parallel group by TP x CP: from that many ranks per node on, the group has one
+        # member per node and no hpZ copy (an MoE expert group there gathers with qwZ INT8 instead, fsdp.py)
+        stride = (getattr(args, "tensor_model_parallel_size", 1) or 1) * (getattr(args, "context_parallel_size", 1)
+                                                                          or 1)
+        per_node = getattr(args, "zpp_ranks_per_node", None) or ranks_per_node_from_env()
+        if per_node and stride >= per_node and (getattr(args, "data_parallel_size", None) or 2) > 1:
+            refuse(f"on Megatron-FSDP keeps the weights in the hpZ secondary copy inside a node; with {per_node} "
+                   f"ranks per node and TP x CP = {stride} the data-parallel group has one member per node and no "
+                   "such copy; use zeropp's INT8 weights (--zpp-policy zeropp) or fewer model-parallel ranks per node")
         strategy = getattr(args, "data_parallel_sharding_strategy", "optim_grads_params")
         if strategy != "optim_grads_params":
             refuse(f"on Megatron-FSDP needs --data-parallel-sharding-strategy optim_grads_params (sharded weights); "

@@ -161,7 +161,7 @@ class FsdpRouting:
         codec = self.codec("dp.param")
         # qWD: every gather, forward and backward, comes from the hpZ copy, which a 4-bit difference exchange
         # refreshes once per weight update ("none": the divergence guard suspended it: plain gathers, and a
-        # full-precision resync when it ends).
+        # full-precision resync when it ends); a group without an hpZ copy gathers with qwZ INT8 (below).
         difference = self.policy.param_difference and codec != "none"
 
         def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):

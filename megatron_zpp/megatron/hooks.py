@@ -229,17 +229,13 @@ class MegatronHooks(DdpRouting, FsdpRouting):
         however the pipeline stages are timed. Megatron-FSDP's gather (hpZ) and reduce topologies
         over the same ranks share their process groups.
 
-        The hpZ partition is the group's own: ``node`` is its members per node, and a number larger than that
-        (a multiple of it) is capped to it. So an MoE expert-data-parallel group, which often has fewer members
-        per node than the dense one (one, once EP x expert-TP fills the node), gets a partition it can hold; with
-        one member per node that is hpZ of 1, which ``hpz_partitioned`` reads as no secondary copy (ZeRO++'s
-        hpZ partition of 1 means off; a copy over 1 rank would hold every shard of the bucket)."""
+        The hpZ partition is the group's own (``Policy.hpz_partition``): an MoE expert-data-parallel group, which
+        often has fewer members per node than the dense one (one, once EP x expert-TP fills the node), gets one it
+        can hold; a partition of 1, which ``hpz_partitioned`` reads as no secondary copy."""
         ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
         hpz_size = 1
         if hpz and self.policy.hpz_size != 1:
-            node_size = self.topology(group).node_size
-            want = self.policy.hpz_size
-            hpz_size = node_size if want is None or (want > node_size and want % node_size == 0) else want
+            hpz_size = self.policy.hpz_partition(self.topology(group).node_size)
         topo = self._topologies.get((ranks, hpz_size))
         if topo is None:
             topo = Topology(group, ranks_per_node=self.ranks_per_node, hpz_partition_size=hpz_size)

@@ -410,8 +410,8 @@ def _predict(cluster: ClusterSpec, workload: WorkloadSpec, mp: ModelledPolicy) -
                                              stages, lay.grad_bytes)
 
     def param_cost(numel: int, group, backward: bool) -> Cost:
-        if backward and pol.hpz_size != 1:
-            hpz = group.node_size if pol.hpz_size is None else min(pol.hpz_size, group.node_size)
+        hpz = pol.hpz_partition(group.node_size)
+        if backward and hpz > 1:  # a group with one member per node keeps no hpZ copy: its backward gathers again
             return C.hpz_gather(cluster, group, hpz, shard(numel, group), param_spec, lay.param_bytes)
         return C.all_gather(cluster, group, shard(numel, group), param_spec, lay.param_bytes)
 

@@ -27,6 +27,7 @@ int8:block=256), ``zero_quantized_gradients: true`` (dp.grad int4:block=128),
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,6 +76,16 @@ class Policy:
     def is_identity(self) -> bool:
         """Whether installing the policy leaves Megatron's training bit-identical."""
         return all(c == "none" for c in self.codecs.values()) and self.dp_uncompressed == "megatron"
+
+    def hpz_partition(self, node_size: int) -> int:
+        """The hpZ secondary partition of a data-parallel group with ``node_size`` members per node: ``hpz_size``
+        (``None``: the node), or where the group cannot hold it (an MoE expert-data-parallel group often has fewer
+        members per node than the dense one) the largest partition both allow, their gcd. 1 means no secondary
+        copy for that group: hpZ over one rank would hold every shard, and ZeRO++'s partition of 1 is hpZ off. The
+        one rule for the hooks (``MegatronHooks.topology``) and the performance model."""
+        if self.hpz_size == 1:
+            return 1
+        return node_size if self.hpz_size is None else math.gcd(self.hpz_size, node_size)
 
     def summary(self) -> str:
         """One line for the startup log: every dimension's codec, then each knob that is not its default (the
