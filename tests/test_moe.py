@@ -85,10 +85,11 @@ MOE_LAYOUTS = {
 def test_expert_replicas_compute_with_identical_weights_at_every_use(layout):
     """A MoE GPT (4 experts, top-2, EP=2 on 2 simulated nodes x 2: expert-data-parallel 2, data-parallel 4):
     dense modules compared over the data-parallel group and expert modules over the expert-data-parallel group at
-    every forward and backward use, under none (bit-identical to no plugin), fair, zeropp with error feedback and
+    every forward and backward use, under none (bit-identical to no plugin), fair, zeropp with error feedback,
     sdp4bit (on Megatron-FSDP the expert-data-parallel group has one member per node, so no hpZ copy: its expert
-    buckets gather with qwZ's INT8 while the dense ones take 4-bit weight differences); the aux loss is logged."""
-    policies = ["none", "fair", "zeropp-ef", "sdp4bit"]
+    buckets gather with qwZ's INT8 while the dense ones take 4-bit weight differences) and the hybrid codecs
+    (mzhybrid: ZFP gradients, MPC weights and MPC on ep; zhybrid: ZFP weights); the aux loss is logged."""
+    policies = ["none", "fair", "zeropp-ef", "sdp4bit", "mzhybrid", "zhybrid"]
     results = run_distributed(checks.moe_replicas, 4, MOE_LAYOUTS[layout], policies, 3, ranks_per_node=2,
                               timeout_s=600)
     for rank, by_policy in enumerate(results):
