@@ -61,13 +61,10 @@ def check_expert_data_parallel_layout(args, policy) -> None:
     collectives (their intra- / inter-node hops need the same number of members on every node). Megatron-Core
     strides those groups by expert TP x EP, so they are even exactly when that block and the ranks per node
     divide one another (as for the allgather dispatcher's TP x EP group)."""
-    from megatron_zpp.comm.topology import ranks_per_node_from_env
-
     if getattr(args, "num_experts", None) is None or not _routes_data_parallel(policy):
         return
-    block = _expert_block(args)
-    per_node = getattr(args, "zpp_ranks_per_node", None) or ranks_per_node_from_env()
-    if block > 1 and per_node and block % per_node and per_node % block:
+    block, per_node = _expert_block(args), _ranks_per_node(args)
+    if _split_unevenly(block, per_node):
         raise ConfigError(f"policy {policy.name!r}: the expert-data-parallel groups stride by expert TP x EP = "
                           f"{block} ranks, which {per_node} ranks per node split unevenly over the nodes (the "
                           "compressed and hierarchical collectives need as many members on every node); make one a "
@@ -148,15 +145,25 @@ def _expert_parallel_refusal(args) -> str | None:
     if dispatcher == "allgather":
         # its gathers and reduce-scatters run over the expert TP x EP group, consecutive ranks, whose compressed
         # collectives need the same number of members on every node
-        from megatron_zpp.comm.topology import ranks_per_node_from_env
-
-        size = _expert_block(args)
-        per_node = getattr(args, "zpp_ranks_per_node", None) or ranks_per_node_from_env()
-        if per_node and size % per_node and per_node % size:
+        size, per_node = _expert_block(args), _ranks_per_node(args)
+        if _split_unevenly(size, per_node):
             return (f"the allgather dispatcher exchanges over expert TP x EP = {size} consecutive ranks, which "
                     f"{per_node} ranks per node split unevenly; make one a multiple of the other or use "
                     "--moe-token-dispatcher-type alltoall")
     return None
+
+
+def _ranks_per_node(args) -> int | None:
+    """``--zpp-ranks-per-node``, else the launcher's ``LOCAL_WORLD_SIZE`` (``None``: unknown)."""
+    from megatron_zpp.comm.topology import ranks_per_node_from_env
+
+    return getattr(args, "zpp_ranks_per_node", None) or ranks_per_node_from_env()
+
+
+def _split_unevenly(block: int, per_node: int | None) -> bool:
+    """Whether nodes of ``per_node`` ranks split groups of ``block`` consecutive ranks (or groups striding by
+    ``block``) unevenly: neither divides the other."""
+    return bool(per_node) and block % per_node != 0 and per_node % block != 0
 
 
 def _expert_block(args) -> int:
@@ -192,13 +199,11 @@ def check_weight_differences(args, policy_name: str, hpz_size: int | None = None
             refuse("on Megatron-FSDP keeps the weights in the hpZ secondary copy (size / hpz_size shards per "
                    "rank): --zpp-hpz-size 1 would hold the whole model on every rank; use --zpp-hpz-size node "
                    "(or a divisor of the ranks per node above 1)")
-        from megatron_zpp.comm.topology import ranks_per_node_from_env
-
         # Megatron strides the data-parallel group by TP x CP: from that many ranks per node on, the group has one
         # member per node and no hpZ copy (an MoE expert group there gathers with qwZ INT8 instead, fsdp.py)
         stride = (getattr(args, "tensor_model_parallel_size", 1) or 1) * (getattr(args, "context_parallel_size", 1)
                                                                           or 1)
-        per_node = getattr(args, "zpp_ranks_per_node", None) or ranks_per_node_from_env()
+        per_node = _ranks_per_node(args)
         if per_node and stride >= per_node and (getattr(args, "data_parallel_size", None) or 2) > 1:
             refuse(f"on Megatron-FSDP keeps the weights in the hpZ secondary copy inside a node; with {per_node} "
                    f"ranks per node and TP x CP = {stride} the data-parallel group has one member per node and no "

@@ -211,7 +211,7 @@ class ExpertParallelHooks:
             # Only the tensor token_dispatch / token_combine was given is coded (megatron-core 0.19 passes it
             # through unchanged); the routing weights travel exactly: a lossy code would reweigh expert outputs.
             tokens = input_ is getattr(_SITE, "tokens", None)
-            codecs = (hooks.codec_of(site), hooks.codec_of(f"{site}.grad")) if tokens else ("none", "none")
+            codecs = (hooks.codec_of(site), hooks.codec_of(f"{site}.grad")) if tokens else NONE
             if codecs != ("none", "none"):
                 return _CodedAllToAll.apply(group, input_, _host(output_split_sizes_), _host(input_split_sizes), site,
                                             codecs, hooks.ranks_per_node)
