@@ -941,7 +941,8 @@ def test_quotients_next_to_ties_round_as_the_division_does(cpu_isa, bits, block)
     16-bit inputs sit on ties by themselves (random bf16 data has a lane near a tie in ~6% of 32-value groups),
     which the other tests at every level cover."""
     qmax = 127 if bits == 8 else 7
-    x = torch.cat([_near_tie_block(bits, block, c) for c in (1.1, 0.37, 3.3e-3, 7.77, 1e-30, 1e-39)])
+    # c < 0 puts the block's maximum at -qmax * c: the reciprocal path has no clamp, its codes must stay +-qmax.
+    x = torch.cat([_near_tie_block(bits, block, c) for c in (1.1, 0.37, -2.5, 3.3e-3, 7.77, 1e-30, 1e-39)])
     blocks = x.view(-1, block)
     scale = blocks.abs().amax(dim=1, keepdim=True) / torch.tensor(float(qmax))
     by_division = torch.round((blocks / scale).clamp(-qmax, qmax))
