@@ -56,10 +56,12 @@ struct RowReorder {  // qgZ: input row r goes to row reorder_slot_of_input_row(r
 #define ZPP_CPU_ISA_NS isa_baseline
 #define ZPP_CPU_ISA_F16C 0
 #define ZPP_CPU_ISA_AVX2 0
+#define ZPP_CPU_ISA_AVX512 0
 #include "quant_cpu_isa.h"
 #undef ZPP_CPU_ISA_NS
 #undef ZPP_CPU_ISA_F16C
 #undef ZPP_CPU_ISA_AVX2
+#undef ZPP_CPU_ISA_AVX512
 
 #if ZPP_CPU_X86_LEVELS
 #pragma GCC push_options
@@ -67,10 +69,12 @@ struct RowReorder {  // qgZ: input row r goes to row reorder_slot_of_input_row(r
 #define ZPP_CPU_ISA_NS isa_x86_64_v3
 #define ZPP_CPU_ISA_F16C 1
 #define ZPP_CPU_ISA_AVX2 1
+#define ZPP_CPU_ISA_AVX512 0
 #include "quant_cpu_isa.h"
 #undef ZPP_CPU_ISA_NS
 #undef ZPP_CPU_ISA_F16C
 #undef ZPP_CPU_ISA_AVX2
+#undef ZPP_CPU_ISA_AVX512
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -78,10 +82,12 @@ struct RowReorder {  // qgZ: input row r goes to row reorder_slot_of_input_row(r
 #define ZPP_CPU_ISA_NS isa_x86_64_v4
 #define ZPP_CPU_ISA_F16C 1
 #define ZPP_CPU_ISA_AVX2 1
+#define ZPP_CPU_ISA_AVX512 1
 #include "quant_cpu_isa.h"
 #undef ZPP_CPU_ISA_NS
 #undef ZPP_CPU_ISA_F16C
 #undef ZPP_CPU_ISA_AVX2
+#undef ZPP_CPU_ISA_AVX512
 #pragma GCC pop_options
 #endif
 

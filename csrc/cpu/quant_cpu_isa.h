@@ -21,7 +21,8 @@
 // reference.
 //
 // Expects: ZPP_CPU_ISA_NS (namespace name), ZPP_CPU_ISA_F16C (0/1: may use F16C),
-// ZPP_CPU_ISA_AVX2 (0/1: may use AVX2; the hand-written loops of quant_cpu_avx2.h).
+// ZPP_CPU_ISA_AVX2 (0/1: may use AVX2; the hand-written loops of quant_cpu_avx2.h), ZPP_CPU_ISA_AVX512
+// (0/1: may use AVX-512 F/BW/DQ/VL; the 16-lane loops of quant_cpu_avx512.h, with AVX2 set too).
 // Defines zpp::ZPP_CPU_ISA_NS::{quantize_rows, dequantize_rows,
 // dequant_reduce_quantize, dequant_reduce} (see CpuKernels in quant_cpu.cpp).
 
@@ -32,11 +33,19 @@ namespace {
 #if ZPP_CPU_ISA_AVX2
 #include "quant_cpu_avx2.h"
 #endif
+// The rotation, the whole-block quantize loop and the fused ops' sums over chunks at the level's widest
+// vectors: 16 lanes at x86-64-v4 (quant_cpu_avx512.h), else 8; the other loops stay at 8 lanes.
+#if ZPP_CPU_ISA_AVX512
+#include "quant_cpu_avx512.h"
+namespace wide = avx512;
+#elif ZPP_CPU_ISA_AVX2
+namespace wide = avx2;
+#endif
 
 // hadamard_range with the level's fastest run (AVX2 for runs of 8 or more); same bits.
 inline void hadamard_range_fast(float* v, int64_t n, int log2h) {
 #if ZPP_CPU_ISA_AVX2
-  if (avx2::rotate_applies(n, log2h)) return avx2::rotate(v, n, log2h, v);
+  if (avx2::rotate_applies(n, log2h)) return wide::rotate(v, n, log2h, v);
   if (log2h >= 3) {
     const int64_t h = int64_t(1) << log2h;
     for (int64_t r = 0; r + h <= n; r += h) avx2::hadamard_run(v + r, log2h);
@@ -114,7 +123,7 @@ struct Rotated {
     if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
 #if ZPP_CPU_ISA_AVX2
     if (avx2::rotate_applies(n, log2h)) {  // widened and rotated in registers, one pass
-      avx2::rotate(x, n, log2h, buf.data());
+      wide::rotate(x, n, log2h, buf.data());
       return buf.data();
     }
 #endif
@@ -310,7 +319,7 @@ template <typename T>
 inline bool quantize_block_fast(const T* x, int64_t n, int bits, bool stochastic, float* scale_out, uint8_t* data) {
 #if ZPP_CPU_ISA_AVX2
   if (stochastic || n % 32 != 0) return false;
-  avx2::quantize_full_blocks(x, 1, n, bits, reinterpret_cast<uint8_t*>(scale_out), data);  // one block of n
+  wide::quantize_full_blocks(x, 1, n, bits, reinterpret_cast<uint8_t*>(scale_out), data);  // one block of n
   return true;
 #else
   (void)x, (void)n, (void)bits, (void)stochastic, (void)scale_out, (void)data;
@@ -362,10 +371,10 @@ void quantize_rows_kernel(const T* x, uint8_t* packed, int64_t rows, int64_t len
         if (g > 0) {
           const T* src = x + r * length + k * block;
           if (log2h) {
-            avx2::quantize_full_blocks(rotated(src, g * block, log2h), g, block, bits, row + 4 * k,
+            wide::quantize_full_blocks(rotated(src, g * block, log2h), g, block, bits, row + 4 * k,
                                        data + k * block * bits / 8);
           } else {
-            avx2::quantize_full_blocks(src, g, block, bits, row + 4 * k, data + k * block * bits / 8);
+            wide::quantize_full_blocks(src, g, block, bits, row + 4 * k, data + k * block * bits / 8);
           }
           b += g - 1;
           k += g;
@@ -521,7 +530,7 @@ void reduce_chunks(const uint8_t* base, int64_t chunks, int64_t rows, int64_t rb
 #if ZPP_CPU_ISA_AVX2
       if (block_in % 8 == 0 && block_out % 8 == 0 && n % 8 == 0) {
         for (int64_t c = 0; c < chunks; ++c) row_ptrs[c] = base + (c * rows + k) * rb;
-        avx2::reduce_rows(row_ptrs.data(), chunks, length, bits_in, block_in, e0, n, acc.data());
+        wide::reduce_rows(row_ptrs.data(), chunks, length, bits_in, block_in, e0, n, acc.data());
         emit(k, j, e0, n, acc.data());
         continue;
       }
