@@ -1,9 +1,12 @@
 """Kernel benchmark: GB/s of every blocked-quantization op vs memcpy and the pure-PyTorch reference.
 
 For each op, dtype and size: the median over repeats of (bytes read + bytes
-written) / seconds, for the compiled kernel and for the reference, next to the
-same run's ``tensor.copy_`` GB/s at that size (fp32, read + write). Ratios are
-kernel/memcpy and kernel/reference. Device: CPU (2 threads here) or ``--device
+written) / seconds, for the compiled kernel and for the reference, next to
+``tensor.copy_``'s GB/s at that size (fp32, read + write), timed alternately with
+the kernel (kernel, copy, kernel, copy, ...). x memcpy is the median over rounds of
+the kernel's GB/s over the copy's right after it: a shared VM's memory bandwidth
+moves by up to 2x within minutes, and each round compares the two at one moment.
+x ref is kernel/reference. Device: CPU (2 threads here) or ``--device
 cuda``. Ops (INT8 at block 256, INT4 at block 128, the codecs' defaults):
 
   quantize      x -> packed                          (codec.encode)
@@ -88,6 +91,20 @@ def timed_seconds(fn, repeats: int, device: torch.device, stat: str = "median", 
 
 def median_seconds(fn, repeats: int, device: torch.device) -> float:
     return timed_seconds(fn, repeats, device, "median")
+
+
+def alternating_seconds(fn, baseline, repeats: int, device: torch.device) -> list[tuple[float, float]]:
+    """(seconds of ``fn()``, seconds of the ``baseline()`` right after it) for each of ``repeats`` rounds,
+    after one warm-up of each."""
+    def once(f):
+        t0 = time.perf_counter()
+        f()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
+    once(fn), once(baseline)
+    return [(once(fn), once(baseline)) for _ in range(repeats)]
 
 
 def make_cases(numel: int, bits: int, dtype: torch.dtype, device: torch.device):
@@ -191,8 +208,7 @@ def main() -> int:
     for numel in sizes if args.ops != "none" else []:
         src = torch.randn(numel, device=device)
         dst = torch.empty_like(src)
-        memcpy = 2 * src.numel() * 4 / median_seconds(lambda: dst.copy_(src), max(args.repeats, 9), device) / 1e9
-        del src, dst
+        copy_bytes = 2 * src.numel() * 4
         for bits in map(int, args.bits.split(",")):
             for dname in args.dtypes.split(","):
                 for name, nbytes, fn in make_cases(numel, bits, DTYPES[dname], device):
@@ -200,16 +216,19 @@ def main() -> int:
                         continue
                     if name in PACKED_OPS and dname != args.dtypes.split(",")[0]:
                         continue
-                    k = nbytes / median_seconds(lambda: fn("kernel"), args.repeats, device) / 1e9
+                    pairs = alternating_seconds(lambda: fn("kernel"), lambda: dst.copy_(src), args.repeats, device)
+                    k = nbytes / statistics.median(p[0] for p in pairs) / 1e9
+                    memcpy = copy_bytes / statistics.median(p[1] for p in pairs) / 1e9
+                    x_memcpy = statistics.median(nbytes * p[1] / (copy_bytes * p[0]) for p in pairs)  # per round
                     r = (nbytes / median_seconds(lambda: fn("reference"), args.ref_repeats, device) / 1e9
                          if args.ref_repeats > 0 else float("nan"))
                     row = dict(op=name, bits=bits, dtype=dname if name not in PACKED_OPS else "-", numel=numel,
-                               gbps=k, ref_gbps=r, memcpy_gbps=memcpy, x_memcpy=k / memcpy, x_ref=k / r,
+                               gbps=k, ref_gbps=r, memcpy_gbps=memcpy, x_memcpy=x_memcpy, x_ref=k / r,
                                device=str(device), threads=threads, cpu_isa=isa)
                     rows.append(row)
                     size = f"{numel >> 20}M" if numel >= 1 << 20 else f"{numel >> 10}K"
                     print(f"{name:<14}{bits:>5}{row['dtype']:>6}{size:>7}{k:>8.2f}{r:>10.3f}{memcpy:>8.2f}"
-                          f"{k / memcpy:>10.2f}{k / r:>8.1f}", flush=True)
+                          f"{x_memcpy:>10.2f}{k / r:>8.1f}", flush=True)
 
     # The issues' acceptance figures at the largest size: quantize with and without the Hadamard
     # rotation, INT8 and INT4, fp32 and bf16, and the fused dequant-reduce-requant, >= 0.6x memcpy
