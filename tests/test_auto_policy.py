@@ -183,6 +183,31 @@ def test_auto_models_a_moe_job_with_its_experts_and_token_exchange():
     assert dense_bytes is None or dense_bytes.intra == dense_bytes.inter == 0
 
 
+def test_auto_ranks_every_candidate_it_may_run_on_megatron_fsdp():
+    """Every candidate a Megatron-FSDP job can run is priced, qWD on the hpZ copy (sdp4bit) included: the model
+    once refused qWD outside the distributed optimizer, and rank_candidates drops a policy the model refuses, so
+    auto never tried sdp4bit on FSDP, the fastest policy there on a slow link (docs/performance.md). On a slow
+    inter-node link the qWD candidates, one 4-bit difference per update across nodes, rank first."""
+    from megatron_zpp.training.auto_policy import _runs_here, rank_candidates, workload_from_args
+    from megatron_zpp.training.arguments import build_parser, validate_args
+
+    args = validate_args(build_parser().parse_args(checks.SMALL + LAYOUTS["fsdp-hpz"]), 4)
+    workload = workload_from_args(args, vocab=257, world=4)
+    assert workload.layout.zero_mode == "fsdp"
+    runnable = [p for p in candidates(parse_allow(AutoPolicyConfig().allow), zero_mode="fsdp", tp=1, pp=1,
+                                      ranks_per_node=2, nodes_ranks=2) if _runs_here(p, args)]
+    assert "sdp4bit" in {p.name for p in runnable}
+    slow = from_dict(ClusterSpec, {"name": "t", "nodes": 2, "ranks_per_node": 2, "intra_alpha": 1e-5,
+                                   "intra_bandwidth": 1e9, "inter_alpha": 1e-4, "inter_bandwidth": 2.5e6,
+                                   "compute_flops": 1e11, "reduce_throughput": 1e9, "optimizer_params_per_s": 1e8,
+                                   "codec_throughput": {k: {"quantize": 5e9, "dequantize": 1e10}
+                                                        for k in ("int8", "int4", "int4+hadamard")}}, "t")
+    ranked = rank_candidates(slow, workload, runnable)
+    assert {n for n, _ in ranked} == {p.name for p in runnable}  # none dropped
+    assert dict(ranked)["sdp4bit"] < dict(ranked)["zeropp"]
+    assert all(next(p for p in runnable if p.name == n).param_difference for n, _ in ranked[:2])
+
+
 def test_the_auto_cluster_yaml_loads_and_predicts(tmp_path):
     """The startup calibration's cluster (written the way tools/calibrate.py writes its own) loads back with
     load_cluster and predicts the job's workload."""

@@ -3,6 +3,8 @@ and the qgZ slice reordering is ZeRO++ Algorithm 2."""
 
 import itertools
 import math
+import os
+import platform
 
 import pytest
 import torch
@@ -941,8 +943,9 @@ def test_quotients_next_to_ties_round_as_the_division_does(cpu_isa, bits, block)
     16-bit inputs sit on ties by themselves (random bf16 data has a lane near a tie in ~6% of 32-value groups),
     which the other tests at every level cover."""
     qmax = 127 if bits == 8 else 7
-    # c < 0 puts the block's maximum at -qmax * c: the reciprocal path has no clamp, its codes must stay +-qmax.
-    x = torch.cat([_near_tie_block(bits, block, c) for c in (1.1, 0.37, -2.5, 3.3e-3, 7.77, 1e-30, 1e-39)])
+    # c = +-0.37: x * fl(1 / scale) overshoots +-qmax at the block's largest magnitude qmax * c (negative for
+    # c < 0), and the reciprocal path has no clamp (quant_cpu_avx2.h, ReciprocalCodes): its codes must stay within.
+    x = torch.cat([_near_tie_block(bits, block, c) for c in (1.1, 0.37, -0.37, 3.3e-3, 7.77, 1e-30, 1e-39)])
     blocks = x.view(-1, block)
     scale = blocks.abs().amax(dim=1, keepdim=True) / torch.tensor(float(qmax))
     by_division = torch.round((blocks / scale).clamp(-qmax, qmax))
@@ -954,6 +957,43 @@ def test_quotients_next_to_ties_round_as_the_division_does(cpu_isa, bits, block)
         assert torch.equal(got, want), dtype
         got, want = (ops.quantize(xd, bits, block, hadamard=32, backend=b) for b in ("kernel", "reference"))
         assert torch.equal(got, want), (dtype, "hadamard")
+
+
+@pytest.mark.parametrize("cpu_isa", CPU_ISAS, indirect=True)
+def test_blocks_of_ties_and_extremes_match_reference(cpu_isa):
+    """Random blocks over 60 binades in which ~30% of the values are put on ties, (k + 1/2) * scale, and each
+    block's largest magnitude also appears negated and one ulp below: quantize, plain and Hadamard-rotated,
+    gives the reference's bytes for every dtype and both widths at every level. The vector loops round by a
+    multiply with the reciprocal, check the distance to ties with a running maximum and drop the +-qmax clamp
+    (quant_cpu_avx2.h, ReciprocalCodes); these are the values where those shortcuts could differ."""
+    g = torch.Generator().manual_seed(7)
+    for bits, dtype, hadamard in itertools.product((8, 4), FLOAT_DTYPES, (0, 32)):
+        block, qmax, nblk = (256 if bits == 8 else 128), (127 if bits == 8 else 7), 16
+        mag = torch.exp2(torch.randint(-30, 30, (nblk, 1), generator=g).float())
+        x = torch.randn(nblk, block, generator=g) * mag
+        absmax = x.abs().amax(1, keepdim=True)
+        k = torch.randint(-qmax, qmax, (nblk, block), generator=g).float()
+        x = torch.where(torch.rand(nblk, block, generator=g) < 0.3, (k + 0.5) * absmax / qmax, x)
+        x[:, 0], x[:, 1] = absmax[:, 0], -absmax[:, 0] * (1 - 2 ** -23)
+        x = x.reshape(-1).to(dtype)
+        got, want = (ops.quantize(x, bits, block, hadamard=hadamard, backend=b) for b in ("kernel", "reference"))
+        assert torch.equal(got, want), (bits, dtype, hadamard)
+
+
+def test_the_widest_cpu_level_runs_here_or_says_why():
+    """The AVX-512 loops (quant_cpu_avx512.h) are compiled into every x86-64 build but only run, and so are only
+    checked against the reference by the tests above, on a CPU that has AVX-512: on one without, this test
+    skips and says so, rather than the level silently going unchecked."""
+    if not ops.kernels_available("cpu"):
+        pytest.skip("no compiled CPU kernels")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"{platform.machine()}: one portable level only")
+    if "x86-64-v4" not in CPU_ISAS:
+        pytest.skip("this CPU has no AVX-512: the x86-64-v4 loops are compiled but not run or checked here "
+                    f"(levels run: {', '.join(CPU_ISAS)})")
+    if os.environ.get("ZPP_CPU_ISA"):
+        pytest.skip(f"ZPP_CPU_ISA={os.environ['ZPP_CPU_ISA']} chooses the level")
+    assert torch.ops.megatron_zpp._cpu_isa() == "x86-64-v4"  # the default picks the widest level
 
 
 @pytest.mark.parametrize("cpu_isa", CPU_ISAS, indirect=True)

@@ -308,7 +308,8 @@ def test_hybrid_presets_with_interface_codecs():
 
 def test_weight_differences_halve_zeropp_parameter_bytes():
     """qWD (issue 23): on the distributed optimizer the parameter gather sends INT4/2048 rows instead of qwZ's
-    INT8/256, <= 0.55x zeropp's dp.param bytes across nodes; the gradient bytes are zeropp's."""
+    INT8/256, <= 0.55x zeropp's dp.param bytes across nodes; the gradient bytes are zeropp's. On Megatron-FSDP
+    (the hpZ copy) the difference crosses nodes once per update instead of at every forward gather."""
     cluster = load_cluster(ROOT / "configs/clusters/emulated-2x2.yaml")
     workload = load_workload(ROOT / "configs/workloads/tiny-gpt-2x2.yaml")
     zpp, qwd = predict(cluster, workload, "zeropp"), predict(cluster, workload, "qwd")
@@ -317,8 +318,18 @@ def test_weight_differences_halve_zeropp_parameter_bytes():
     assert ratio <= 0.55
     assert qwd.bytes["dp.grad"].inter == zpp.bytes["dp.grad"].inter
     assert resolve("qwd").policy.param_difference
-    with pytest.raises(ValueError, match="distributed optimizer only"):
-        predict(cluster, load_workload(ROOT / "configs/workloads/tiny-gpt-2x2-fsdp.yaml"), "qwd")
+    # Megatron-FSDP: qWD on the hpZ copy sends one INT4/2048 row per shard per update across nodes, against
+    # zeropp's INT8/256 row at every forward gather (m micro-batches; hpZ serves the backward): ratio / m.
+    fsdp = load_workload(ROOT / "configs/workloads/tiny-gpt-2x2-fsdp.yaml")
+    zpp_f, qwd_f = predict(cluster, fsdp, "zeropp"), predict(cluster, fsdp, "sdp4bit")
+    fsdp_ratio = qwd_f.bytes["dp.param"].inter / zpp_f.bytes["dp.param"].inter
+    print(f"qwd / zeropp dp.param cross-node bytes on Megatron-FSDP, {fsdp.layout.microbatches} micro-batches "
+          f"(analytic): {fsdp_ratio:.3f}")
+    assert fsdp_ratio == pytest.approx(ratio / fsdp.layout.microbatches, rel=0.02)
+    assert qwd_f.bytes["dp.param.bwd"].inter == 0  # every gather after the update's first stays in the node
+    ddp = dataclasses.replace(workload, layout=dataclasses.replace(workload.layout, zero_mode="ddp"))
+    with pytest.raises(ValueError, match=r"valid: distopt, fsdp"):
+        predict(cluster, ddp, "qwd")
 
 
 # ---------------------------------------------------------------------------------------------- MoE (issue 25)

@@ -6,9 +6,9 @@
 // quant_cpu_avx2.h (whose helpers it reuses: block_scales, pack32_int4, the Hadamard strides >= 32).
 //
 // Why: at 8 lanes the rotation costs about as much as the quantization after it (a run of 32 values is
-// four registers and each in-register stride is a permute, an add, a subtract and a blend), and bf16
-// quantize with Hadamard smoothing measured 0.46-0.53x memcpy (docs/bench/2026-11-27-codecs). At 16
-// lanes a stride is a permute, an add and a masked subtract, and a run of 32 is two registers.
+// four registers and each in-register stride a permute, a multiply and an add), and bf16 quantize with
+// Hadamard smoothing measured 0.42x memcpy at INT8 and 0.24-0.34x at INT4 (docs/bench/2026-11-27-codecs,
+// "before"). At 16 lanes a run of 32 is two registers and each stride the same three instructions.
 //
 // Same bits as the AVX2 and scalar loops, by the same argument as quant_cpu_avx2.h's header: lane i of
 // every vector computes the scalar expression for element i with the same IEEE fp32 operations in the

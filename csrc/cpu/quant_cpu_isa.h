@@ -355,7 +355,7 @@ void quantize_rows_kernel(const T* x, uint8_t* packed, int64_t rows, int64_t len
   const int64_t used = ceil_div(length * bits, 8);
   const int64_t padded = data_bytes(length, bits);
   at::parallel_for(0, rows * nb, grain_blocks(block), [&](int64_t b0, int64_t b1) {
-    Widened<T> wide;
+    Widened<T> widened;  // (not `wide`: that names the vector loops' namespace)
     Rotated<T> rotated;
     // Walk (row, block) incrementally: a 64-bit division per block costs as
     // much as quantizing a quarter of a 256-element block.
@@ -399,7 +399,7 @@ void quantize_rows_kernel(const T* x, uint8_t* packed, int64_t rows, int64_t len
       } else if (quantize_block_fast(x + r * length + e0, n, bits, stochastic, &scale, data + e0 * bits / 8)) {
         // 16-bit inputs widened in registers, no staging buffer
       } else {
-        quantize_block_dispatch<!std::is_same_v<T, float>>(wide(x + r * length + e0, n), n, block, bits, stochastic,
+        quantize_block_dispatch<!std::is_same_v<T, float>>(widened(x + r * length + e0, n), n, block, bits, stochastic,
                                                            seed, static_cast<uint64_t>(r * length + e0), &scale,
                                                            data + e0 * bits / 8);
       }

@@ -18,6 +18,7 @@ from megatron_zpp.perfmodel import collectives as C
 from megatron_zpp.perfmodel.collectives import Cost, Group
 from megatron_zpp.perfmodel.specs import ClusterSpec, WorkloadSpec
 from megatron_zpp.policy import Policy, ZppConfig, available_presets, resolve_policy
+from megatron_zpp.policy.policy import ZEROPP_WEIGHTS
 
 # megatron_zpp.megatron.hooks' byte-accounting tags
 TAGS = ("dp.grad", "dp.param", "dp.param.bwd", "tp", "pp", "ep.dispatch", "ep.dispatch.grad", "ep.combine",
@@ -376,9 +377,10 @@ def _predict(cluster: ClusterSpec, workload: WorkloadSpec, mp: ModelledPolicy) -
     bubble = (lay.pp - 1) * (fwd + bwd)
 
     # Data parallel: buckets of this rank's (tp, pp) slice of the model.
-    if pol.param_difference and lay.zero_mode != "distopt":
-        raise ValueError(f"policy {mp.name!r} gathers weight differences (qWD), which runs on the distributed "
-                         f"optimizer only; the workload's zero_mode is {lay.zero_mode!r} (valid: distopt)")
+    if pol.param_difference and lay.zero_mode not in ("distopt", "fsdp"):
+        raise ValueError(f"policy {mp.name!r} gathers weight differences (qWD), which needs the sharded weights of "
+                         f"the distributed optimizer or Megatron-FSDP; the workload's zero_mode is "
+                         f"{lay.zero_mode!r} (valid: distopt, fsdp)")
     dense_params, moe_params = dense_and_expert_params(workload)
     # (bucket sizes, group) per kind: the dense parameters over the data-parallel group, MoE's expert parameters
     # (ep of them per stage) in their own buckets over the expert-data-parallel group.
@@ -393,6 +395,10 @@ def _predict(cluster: ClusterSpec, workload: WorkloadSpec, mp: ModelledPolicy) -
         buckets += [(n, group) for n in [bucket] * (k - 1) + [params - (k - 1) * bucket]]
     grad_spec, param_spec = pol.codec("dp.grad"), pol.codec("dp.param")
     stages = pol.qgz_stages
+    if pol.param_difference and lay.zero_mode == "fsdp" and pol.hpz_partition(groups["dp"].node_size) <= 1:
+        raise ValueError(f"policy {mp.name!r}: qWD on Megatron-FSDP keeps the weights in the hpZ copy, and the "
+                         f"data-parallel group has {groups['dp'].node_size} member(s) per node and hpZ partition "
+                         f"{pol.hpz_partition(groups['dp'].node_size)}: no copy to hold them (the hooks refuse it)")
 
     def shard(numel: int, group) -> int:
         return ceil_div(numel, group.size)
@@ -409,10 +415,27 @@ def _predict(cluster: ClusterSpec, workload: WorkloadSpec, mp: ModelledPolicy) -
         return C.hierarchical_reduce_scatter(cluster, group, shard(numel, group), grad_spec, pol.dp_grad_intra,
                                              stages, lay.grad_bytes)
 
+    def qwd_on_hpz(group) -> bool:
+        """qWD on Megatron-FSDP keeps the weights in the group's hpZ copy (fsdp.py); a group with one member per
+        node has none and gathers with zeropp's INT8 weights instead (an MoE expert group; the dense one is
+        refused, as the hooks refuse it)."""
+        return pol.param_difference and lay.zero_mode == "fsdp" and pol.hpz_partition(group.node_size) > 1
+
     def param_cost(numel: int, group, backward: bool) -> Cost:
         hpz = pol.hpz_partition(group.node_size)
+        if qwd_on_hpz(group):  # every gather, forward and backward: the node's held copy, in the weights' dtype
+            return C.hpz_gather(cluster, group, hpz, shard(numel, group), "none", lay.param_bytes)
+        spec = ZEROPP_WEIGHTS if pol.param_difference and lay.zero_mode == "fsdp" else param_spec
         if backward and hpz > 1:  # a group with one member per node keeps no hpZ copy: its backward gathers again
-            return C.hpz_gather(cluster, group, hpz, shard(numel, group), param_spec, lay.param_bytes)
+            return C.hpz_gather(cluster, group, hpz, shard(numel, group), spec, lay.param_bytes)
+        return C.all_gather(cluster, group, shard(numel, group), spec, lay.param_bytes)
+
+    def difference_cost(numel: int, group) -> Cost:
+        """qWD on the hpZ copy, once per weight update (the first gather of the bucket after it): every shard's
+        difference, in the dp.param codec, all-gathered over the group (across nodes); each rank adds the decoded
+        differences of the shards it holds."""
+        if not qwd_on_hpz(group):
+            return Cost()
         return C.all_gather(cluster, group, shard(numel, group), param_spec, lay.param_bytes)
 
     def job_bytes(costs: list[Cost]) -> TagBytes:
@@ -428,16 +451,21 @@ def _predict(cluster: ClusterSpec, workload: WorkloadSpec, mp: ModelledPolicy) -
     if lay.zero_mode == "fsdp":  # every micro-batch: gather forward, gather backward, reduce-scatter
         ag = [param_cost(n, grp, False) for n, grp in buckets]
         agb = [param_cost(n, grp, True) for n, grp in buckets]
-        dp_job.update({"dp.param": job_bytes(ag).scaled(m), "dp.param.bwd": job_bytes(agb).scaled(m),
-                       "dp.grad": job_bytes(rs).scaled(m)})
-        f_ph = _phase(g, fwd, ag[0].total_s, _sum(ag[1:]).total_s, 0.0, lay.overlap_param_gather)
+        diff = [difference_cost(n, grp) for n, grp in buckets]  # qWD: once per update, in the first forward
+        first = [a + d for a, d in zip(ag, diff)]
+        dp_job.update({"dp.param": TagBytes(job_bytes(ag).intra * m + job_bytes(diff).intra,
+                                            job_bytes(ag).inter * m + job_bytes(diff).inter),
+                       "dp.param.bwd": job_bytes(agb).scaled(m), "dp.grad": job_bytes(rs).scaled(m)})
         opg = lay.overlap_param_gather
+        f_ph = _phase(g, fwd, ag[0].total_s, _sum(ag[1:]).total_s, 0.0, opg)
+        f_first = _phase(g, fwd, first[0].total_s, _sum(first[1:]).total_s, 0.0, opg)
         head = agb[0].total_s if opg else _sum(agb).total_s
         body = (_sum(agb[1:]).total_s if opg else 0.0) + (_sum(rs[:-1]).total_s if rs_overlaps else 0.0)
         tail = rs[-1].total_s if rs_overlaps else _sum(rs).total_s
         b_ph = _phase(g, bwd, head, body, tail, opg or rs_overlaps)
-        dp_extra = m * (f_ph - fwd + b_ph - bwd)
-        tag_costs["dp.param"], tag_costs["dp.param.bwd"] = _sum(ag).scaled(m), _sum(agb).scaled(m)
+        dp_extra = (f_first - fwd) + (m - 1) * (f_ph - fwd) + m * (b_ph - bwd)
+        tag_costs["dp.param"] = _sum(ag).scaled(m) + _sum(diff)
+        tag_costs["dp.param.bwd"] = _sum(agb).scaled(m)
         tag_costs["dp.grad"] = _sum(rs).scaled(m)
     else:  # once per iteration: reduce in the last backward, gather (distopt) in the next first forward
         dp_extra = _phase(g, bwd, 0.0, _sum(rs[:-1]).total_s, rs[-1].total_s, rs_overlaps) - bwd
