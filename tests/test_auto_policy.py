@@ -186,8 +186,8 @@ def test_auto_models_a_moe_job_with_its_experts_and_token_exchange():
 def test_auto_ranks_every_candidate_it_may_run_on_megatron_fsdp():
     """Every candidate a Megatron-FSDP job can run is priced, qWD on the hpZ copy (sdp4bit) included: the model
     once refused qWD outside the distributed optimizer, and rank_candidates drops a policy the model refuses, so
-    auto never tried sdp4bit on FSDP, the fastest policy there on a slow link (docs/performance.md). On a slow
-    inter-node link the qWD candidates, one 4-bit difference per update across nodes, rank first."""
+    auto never tried sdp4bit on FSDP. On a slow inter-node link the qWD candidates, one 4-bit difference per update
+    across nodes, rank first."""
     from megatron_zpp.training.auto_policy import _runs_here, rank_candidates, workload_from_args
     from megatron_zpp.training.arguments import build_parser, validate_args
 
@@ -206,6 +206,37 @@ def test_auto_ranks_every_candidate_it_may_run_on_megatron_fsdp():
     assert {n for n, _ in ranked} == {p.name for p in runnable}  # none dropped
     assert dict(ranked)["sdp4bit"] < dict(ranked)["zeropp"]
     assert all(next(p for p in runnable if p.name == n).param_difference for n, _ in ranked[:2])
+
+
+def test_auto_leaves_out_a_policy_whose_held_copy_would_not_fit():
+    """On Megatron-FSDP qWD keeps the weights, in their dtype, in hpZ's copy (size / hpz shards per rank, and one
+    held shard) and zeropp keeps INT8 rows there. held_copy_bytes prices both, and a candidate whose copy beyond
+    the running policy's does not fit in the share of memory every rank has left is not a candidate (on CUDA,
+    where AutoPolicy measures what is left; the arithmetic is checked here)."""
+    from megatron_zpp.perfmodel import total_params
+    from megatron_zpp.training.auto_policy import fitting, held_copy_bytes, workload_from_args
+    from megatron_zpp.training.arguments import build_parser, validate_args
+
+    args = validate_args(build_parser().parse_args(checks.SMALL + LAYOUTS["fsdp-hpz"]), 4)
+    w = workload_from_args(args, vocab=257, world=4)
+    pols = {p.name: p for p in candidates(parse_allow(AutoPolicyConfig().allow), zero_mode="fsdp", tp=1, pp=1,
+                                          ranks_per_node=2, nodes_ranks=2)}
+    params, width = total_params(w), w.layout.param_bytes
+
+    def copy(p):
+        return held_copy_bytes(p, w, ranks_per_node=2)
+
+    assert copy(pols["sdp4bit"]) == params // 2 * width + params // 4 * width  # hpZ over 2 ranks, 4-way DP
+    assert copy(pols["zeropp"]) == get_codec(pols["zeropp"].codec("dp.param")).wire_bytes(params // 2)
+    assert copy(pols["fair"]) == copy(pols["qgz"]) == 0
+    distopt = workload_from_args(validate_args(build_parser().parse_args(checks.SMALL + DISTOPT_OVERLAP), 4), 257, 4)
+    assert held_copy_bytes(pols["sdp4bit"], distopt, 2) == 0
+    need = copy(pols["sdp4bit"]) - copy(pols["zeropp"])
+    qwd = {n for n, p in pols.items() if p.param_difference}
+    keep, dropped = fitting(list(pols.values()), pols["zeropp"], 0.99 * need / 0.8, 0.8, copy)
+    assert set(dropped) == qwd and {"zeropp", "fair", "none"} <= {p.name for p in keep}
+    keep, dropped = fitting(list(pols.values()), pols["zeropp"], 1.01 * need / 0.8, 0.8, copy)
+    assert not dropped
 
 
 def test_the_auto_cluster_yaml_loads_and_predicts(tmp_path):

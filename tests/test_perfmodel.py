@@ -306,7 +306,7 @@ def test_hybrid_presets_with_interface_codecs():
     assert all(results[n].inter_bytes < results["fair"].inter_bytes for n in ("mzhybrid", "zhybrid", "hybrid"))
 
 
-def test_weight_differences_halve_zeropp_parameter_bytes():
+def test_weight_differences_halve_zeropp_parameter_bytes(monkeypatch):
     """qWD (issue 23): on the distributed optimizer the parameter gather sends INT4/2048 rows instead of qwZ's
     INT8/256, <= 0.55x zeropp's dp.param bytes across nodes; the gradient bytes are zeropp's. On Megatron-FSDP
     (the hpZ copy) the difference crosses nodes once per update instead of at every forward gather."""
@@ -327,6 +327,26 @@ def test_weight_differences_halve_zeropp_parameter_bytes():
           f"(analytic): {fsdp_ratio:.3f}")
     assert fsdp_ratio == pytest.approx(ratio / fsdp.layout.microbatches, rel=0.02)
     assert qwd_f.bytes["dp.param.bwd"].inter == 0  # every gather after the update's first stays in the node
+    # ... and gathers the held copy in the weights' dtype, where zeropp's hpZ copy holds INT8/256 rows
+    row_ratio = fsdp.layout.param_bytes / (1 + 4 / 256)
+    assert qwd_f.bytes["dp.param.bwd"].intra / zpp_f.bytes["dp.param.bwd"].intra == pytest.approx(row_ratio, rel=0.01)
+    # Time: the difference gather is charged once per update, not per micro-batch. Made to cost T seconds, it adds
+    # at least T to the step, and twice the micro-batches add nothing more of it (per micro-batch: 2T more).
+    T = 100.0
+    twice = dataclasses.replace(fsdp, layout=dataclasses.replace(fsdp.layout, global_batch=2 * fsdp.layout.global_batch))
+    base = [predict(cluster, w, "sdp4bit").step_time_s for w in (fsdp, twice)]
+    monkeypatch.setattr(C, "hpz_difference_gather", lambda *a, **k: C.Cost(wire_s=T))
+    costly = [predict(cluster, w, "sdp4bit").step_time_s for w in (fsdp, twice)]
+    assert costly[0] - base[0] >= T
+    assert abs((costly[1] - base[1]) - (costly[0] - base[0])) < 1e-6 * T
+    monkeypatch.undo()
+    # A data-parallel group with one member per node holds no hpZ copy: refused, as the hooks refuse it. An hpZ
+    # partition of 1 on nodes of two (hpz_size 3) gathers with zeropp's INT8 weights, as fsdp.py does.
+    one_per_node = dataclasses.replace(fsdp, layout=dataclasses.replace(fsdp.layout, tp=2, dp=2))
+    with pytest.raises(ValueError, match="one member per node"):
+        predict(cluster, one_per_node, "sdp4bit")
+    odd = dataclasses.replace(resolve("sdp4bit").policy, hpz_size=3)
+    assert predict(cluster, fsdp, odd).bytes["dp.param"].inter == zpp_f.bytes["dp.param"].inter
     ddp = dataclasses.replace(workload, layout=dataclasses.replace(workload.layout, zero_mode="ddp"))
     with pytest.raises(ValueError, match=r"valid: distopt, fsdp"):
         predict(cluster, ddp, "qwd")

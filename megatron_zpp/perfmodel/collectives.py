@@ -170,6 +170,18 @@ def all_gather(cluster: ClusterSpec, group: Group, shard_numel: int, spec: str, 
     return cost
 
 
+def hpz_difference_gather(cluster: ClusterSpec, group: Group, hpz: int, shard_numel: int, spec: str,
+                          dtype_bytes: int) -> Cost:
+    """qWD on Megatron-FSDP's hpZ copy, once per weight update (``hpz_weight_difference_all_gather``): the ring
+    all-gather of every shard's encoded difference over the whole group; each rank encodes its own and decodes
+    only the ``size / hpz`` shards it holds and its own, not every row."""
+    cost = all_gather(cluster, group, shard_numel, spec, dtype_bytes)
+    decoded = min(group.size, group.size // hpz + 1)
+    raw = shard_numel * dtype_bytes
+    cost.codec_s = _codec_time(cluster, spec, raw, decoded * raw)
+    return cost
+
+
 def hpz_gather(cluster: ClusterSpec, group: Group, hpz: int, shard_numel: int, spec: str, dtype_bytes: int) -> Cost:
     """hpZ backward gather (``hpz_all_gather``): a ring inside the ``hpz`` ranks of a node over their parts
     of the forward gather's rows (``size / hpz`` rows each); all intra-node, decode only."""

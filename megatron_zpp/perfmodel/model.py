@@ -395,10 +395,11 @@ def _predict(cluster: ClusterSpec, workload: WorkloadSpec, mp: ModelledPolicy) -
         buckets += [(n, group) for n in [bucket] * (k - 1) + [params - (k - 1) * bucket]]
     grad_spec, param_spec = pol.codec("dp.grad"), pol.codec("dp.param")
     stages = pol.qgz_stages
-    if pol.param_difference and lay.zero_mode == "fsdp" and pol.hpz_partition(groups["dp"].node_size) <= 1:
-        raise ValueError(f"policy {mp.name!r}: qWD on Megatron-FSDP keeps the weights in the hpZ copy, and the "
-                         f"data-parallel group has {groups['dp'].node_size} member(s) per node and hpZ partition "
-                         f"{pol.hpz_partition(groups['dp'].node_size)}: no copy to hold them (the hooks refuse it)")
+    dense = groups["dp"]
+    if pol.param_difference and lay.zero_mode == "fsdp" and dense.node_size == 1 and dense.size > 1:
+        raise ValueError(f"policy {mp.name!r}: qWD on Megatron-FSDP keeps the weights in the hpZ copy inside a node, "
+                         f"and the data-parallel group has one member per node: no copy to hold them (the hooks "
+                         f"refuse it; zeropp's INT8 weights run there)")
 
     def shard(numel: int, group) -> int:
         return ceil_div(numel, group.size)
@@ -416,9 +417,10 @@ def _predict(cluster: ClusterSpec, workload: WorkloadSpec, mp: ModelledPolicy) -
                                              stages, lay.grad_bytes)
 
     def qwd_on_hpz(group) -> bool:
-        """qWD on Megatron-FSDP keeps the weights in the group's hpZ copy (fsdp.py); a group with one member per
-        node has none and gathers with zeropp's INT8 weights instead (an MoE expert group; the dense one is
-        refused, as the hooks refuse it)."""
+        """qWD on Megatron-FSDP keeps the weights in the group's hpZ copy (fsdp.py); a group whose hpZ partition
+        is 1 has none and gathers with zeropp's INT8 weights instead, as the hooks do (an MoE expert group with
+        one member per node, or a partition the ranks per node do not divide; a dense group with one member per
+        node is refused above)."""
         return pol.param_difference and lay.zero_mode == "fsdp" and pol.hpz_partition(group.node_size) > 1
 
     def param_cost(numel: int, group, backward: bool) -> Cost:
@@ -432,11 +434,11 @@ def _predict(cluster: ClusterSpec, workload: WorkloadSpec, mp: ModelledPolicy) -
 
     def difference_cost(numel: int, group) -> Cost:
         """qWD on the hpZ copy, once per weight update (the first gather of the bucket after it): every shard's
-        difference, in the dp.param codec, all-gathered over the group (across nodes); each rank adds the decoded
-        differences of the shards it holds."""
+        difference, in the dp.param codec, all-gathered over the whole group."""
         if not qwd_on_hpz(group):
             return Cost()
-        return C.all_gather(cluster, group, shard(numel, group), param_spec, lay.param_bytes)
+        return C.hpz_difference_gather(cluster, group, pol.hpz_partition(group.node_size), shard(numel, group),
+                                       param_spec, lay.param_bytes)
 
     def job_bytes(costs: list[Cost]) -> TagBytes:
         """Bytes of the whole job: each bucket's group's bytes times the groups of its kind."""

@@ -273,6 +273,7 @@ class AutoPolicy:
                      f"{m['inter_alpha_s'] * 1e3:.2f} ms; intra-node "
                      + (f"{m['intra_bandwidth_Bps'] / 1e6:.1f} MB/s per rank" if m["intra_bandwidth_Bps"] else "none")
                      + "; codecs " + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in m["codecs"].items()))
+        self._keep_what_fits(share=0.5, peak=False)  # activations not allocated yet: half of what is left
         # The warm-up runs the choice on the measured links with the matmul rate as compute (a provisional
         # estimate): on a slow link, warming up uncompressed would cost more than the whole calibration.
         from megatron_zpp.perfmodel import from_dict
@@ -366,6 +367,30 @@ class AutoPolicy:
     def _predict_all(self) -> list[tuple[str, float]]:
         return rank_candidates(self.cluster, self.workload, self.candidates)
 
+    def _keep_what_fits(self, share: float, peak: bool) -> None:
+        """Drop the candidates whose held weight copy (qWD's or hpZ's on Megatron-FSDP) would not fit in ``share``
+        of the device memory every rank has left: the smallest over ranks of its total less what the allocator
+        holds now (``peak`` False: before training, activations unknown) or held at its peak (after the warm-up).
+        CUDA only: a CPU job's memory is not the accelerator's to run out of."""
+        if self.device.type != "cuda" or self.zero_mode != "fsdp":
+            return
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        used = torch.cuda.max_memory_reserved(self.device) if peak else torch.cuda.memory_reserved(self.device)
+        left = torch.tensor([float(total - used)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(left, op=dist.ReduceOp.MIN)
+        current = self.by_name.get(self.current)
+        keep, dropped = fitting(self.candidates, current, float(left), share,
+                                lambda p: held_copy_bytes(p, self.workload, self.ranks_per_node))
+        if not keep:  # nothing fits beyond the running policy: keep it alone
+            keep = [current] if current is not None else [p for p in self.candidates if held_copy_bytes(
+                p, self.workload, self.ranks_per_node) == 0]
+            dropped = [p.name for p in self.candidates if p not in keep]
+        if dropped and self.rank == 0:
+            self.log(f"[zpp auto] not a candidate, its held weight copy would not fit in {share:.0%} of the "
+                     f"{float(left) / 2**30:.1f} GiB left on the fullest rank: {', '.join(dropped)}")
+        self.candidates = keep
+        self.by_name = {p.name: p for p in keep}
+
     def _choose(self, iteration: int) -> None:
         """The first decision: rank 0 builds the cluster from its calibration and the warm-up's compute, every
         rank ranks the candidates on those same numbers."""
@@ -373,6 +398,7 @@ class AutoPolicy:
         from megatron_zpp.perfmodel.specs import ClusterSpec
 
         step_s, compute_s = self._window()
+        self._keep_what_fits(share=0.8, peak=True)
         if self.device.type == "cuda":
             # Host timers see no stream time: on CUDA the window's compute is its step less the communication,
             # codec time and bubble the model predicts for the running policy (never less than 30% of the step).
@@ -551,6 +577,34 @@ class AutoPolicy:
         return {"decisions": self.decisions, "current": self.current, "overhead_s": self.overhead_s,
                 "calibration": self.measured_inputs.summary() if self.measured_inputs else None,
                 "candidates": [p.name for p in self.candidates]}
+
+
+def held_copy_bytes(policy, workload, ranks_per_node: int) -> int:
+    """Bytes per rank a Megatron-FSDP policy keeps beside the sharded weights: hpZ's secondary copy of the
+    weights (``size / hpz`` shards of every bucket: the dp.param codec's rows for qwZ, the weights' dtype for qWD,
+    plus qWD's held shard). 0 elsewhere: on the distributed optimizer qWD holds one shard, noise next to its
+    optimizer state."""
+    from megatron_zpp.compression import get_codec
+
+    lay = workload.layout
+    if lay.zero_mode != "fsdp" or policy.codec("dp.param") == "none":
+        return 0
+    node_size = max(1, ranks_per_node // max(1, lay.tp))  # data-parallel members per node (Megatron strides by TP)
+    hpz = policy.hpz_partition(node_size)
+    if hpz <= 1:
+        return 0
+    params = _total_params(workload) // (lay.tp * lay.pp)
+    if policy.param_difference:
+        return params // hpz * lay.param_bytes + params // lay.dp * lay.param_bytes
+    return get_codec(policy.codec("dp.param")).wire_bytes(params // hpz)
+
+
+def fitting(policies: list, current, headroom: float, share: float, copy_bytes) -> tuple[list, list[str]]:
+    """(the policies whose held copy, beyond the running policy's, fits in ``share`` of ``headroom`` bytes, the
+    names of the others): auto never switches into an out-of-memory error."""
+    base = copy_bytes(current) if current is not None else 0
+    keep = [p for p in policies if copy_bytes(p) - base <= share * headroom]
+    return keep, [p.name for p in policies if p not in keep]
 
 
 def _runs_here(policy, args) -> bool:
