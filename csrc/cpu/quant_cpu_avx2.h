@@ -78,18 +78,21 @@ inline uint32_t absmax_bits16(const void* x, int64_t n) {
   }
   return hmax_epu16(_mm256_max_epu16(m0, m1));
 }
-inline float absmax(const c10::BFloat16* x, int64_t n, bool* nonfinite) {
-  const uint32_t b = absmax_bits16(x, n);
-  *nonfinite = b >= 0x7f80u;  // exponent all ones: Inf or NaN
+// A 16-bit block's largest magnitude bits b as its fp32 absmax, and whether it was NaN/Inf (exponent all ones).
+inline float absmax_of_bits16(const c10::BFloat16*, uint32_t b, bool* nonfinite) {
+  *nonfinite = b >= 0x7f80u;
   const uint32_t w = b << 16;
   float r;
   std::memcpy(&r, &w, 4);
   return r;
 }
-inline float absmax(const c10::Half* x, int64_t n, bool* nonfinite) {
-  const uint32_t b = absmax_bits16(x, n);
+inline float absmax_of_bits16(const c10::Half*, uint32_t b, bool* nonfinite) {
   *nonfinite = b >= 0x7c00u;
   return _cvtsh_ss(static_cast<unsigned short>(b));
+}
+template <typename T>
+inline float absmax(const T* x, int64_t n, bool* nonfinite) {  // bf16, fp16 (the fp32 overload above wins for float)
+  return absmax_of_bits16(x, absmax_bits16(x, n), nonfinite);
 }
 
 // Nearest-rounded codes of 8 values: quantize_nearest_unchecked lane by lane.
@@ -241,15 +244,17 @@ inline void block_scales(const float* absmax_of, int nonfinite_mask, int bits, f
 
 // Quantize g <= 8 consecutive full blocks of `block` values (a multiple of 32) of one row: their
 // scales to scales_out[0..g) (unaligned fp32), their codes to data. The blocks' absmax come first,
-// then their scales (block_scales), then the codes.
-template <typename T>
-inline void quantize_full_blocks(const T* x, int64_t g, int64_t block, int bits, uint8_t* scales_out, uint8_t* data) {
+// then their scales (block_scales), then the codes. `absmax_fn` and `codes_fn` are a vector width's
+// absmax and quantize_nearest (this header's, or quant_cpu_avx512.h's).
+template <typename T, typename AbsmaxFn, typename CodesFn>
+inline void quantize_full_blocks_with(const T* x, int64_t g, int64_t block, int bits, uint8_t* scales_out,
+                                      uint8_t* data, AbsmaxFn absmax_fn, CodesFn codes_fn) {
   alignas(32) float absmax_of[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   alignas(32) float scale_of[8], inverse_of[8];
   int nonfinite_mask = 0;
   for (int64_t j = 0; j < g; ++j) {
     bool nonfinite = false;
-    const float m = absmax(x + j * block, block, &nonfinite);
+    const float m = absmax_fn(x + j * block, block, &nonfinite);
     absmax_of[j] = nonfinite ? 0.0f : m;  // never divide an Inf/NaN (it may be signalling): NaN blended in below
     nonfinite_mask |= static_cast<int>(nonfinite) << j;
   }
@@ -261,9 +266,16 @@ inline void quantize_full_blocks(const T* x, int64_t g, int64_t block, int bits,
     if (!scale_is_usable(scale_of[j])) {  // zero block (exact) or non-finite block (decodes NaN)
       std::memset(d, 0, block_bytes);
     } else {
-      quantize_nearest(x + j * block, block, bits, scale_of[j], inverse_of[j], d);
+      codes_fn(x + j * block, block, bits, scale_of[j], inverse_of[j], d);
     }
   }
+}
+
+template <typename T>
+inline void quantize_full_blocks(const T* x, int64_t g, int64_t block, int bits, uint8_t* scales_out, uint8_t* data) {
+  quantize_full_blocks_with(
+      x, g, block, bits, scales_out, data, [](const T* v, int64_t n, bool* nf) { return absmax(v, n, nf); },
+      [](const T* v, int64_t n, int b, float s, float inv, uint8_t* d) { quantize_nearest(v, n, b, s, inv, d); });
 }
 
 // 8 codes as fp32, starting at element i of the block's data (INT4: i a multiple of 8).

@@ -104,18 +104,9 @@ inline uint32_t absmax_bits16(const void* x, int64_t n) {
   m = _mm512_max_epu16(m, _mm512_srli_epi32(m, 16));
   return _mm512_reduce_max_epu32(_mm512_and_si512(m, _mm512_set1_epi32(0xffff)));
 }
-inline float absmax(const c10::BFloat16* x, int64_t n, bool* nonfinite) {
-  const uint32_t b = absmax_bits16(x, n);
-  *nonfinite = b >= 0x7f80u;
-  const uint32_t w = b << 16;
-  float r;
-  std::memcpy(&r, &w, 4);
-  return r;
-}
-inline float absmax(const c10::Half* x, int64_t n, bool* nonfinite) {
-  const uint32_t b = absmax_bits16(x, n);
-  *nonfinite = b >= 0x7c00u;
-  return _cvtsh_ss(static_cast<unsigned short>(b));
+template <typename T>
+inline float absmax(const T* x, int64_t n, bool* nonfinite) {  // bf16, fp16 (the fp32 overload above wins for float)
+  return avx2::absmax_of_bits16(x, absmax_bits16(x, n), nonfinite);
 }
 
 // Codes of 16 values by the division: avx2::NearestCodes at 16 lanes.
@@ -189,26 +180,9 @@ inline void quantize_nearest(const T* x, int64_t n, int bits, float scale, float
 // avx2::quantize_full_blocks at 16 lanes: g <= 8 full blocks of `block` values (a multiple of 32).
 template <typename T>
 inline void quantize_full_blocks(const T* x, int64_t g, int64_t block, int bits, uint8_t* scales_out, uint8_t* data) {
-  alignas(32) float absmax_of[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  alignas(32) float scale_of[8], inverse_of[8];
-  int nonfinite_mask = 0;
-  for (int64_t j = 0; j < g; ++j) {
-    bool nonfinite = false;
-    const float m = absmax(x + j * block, block, &nonfinite);
-    absmax_of[j] = nonfinite ? 0.0f : m;  // never divide an Inf/NaN: block_scales blends NaN in
-    nonfinite_mask |= static_cast<int>(nonfinite) << j;
-  }
-  avx2::block_scales(absmax_of, nonfinite_mask, bits, scale_of, inverse_of);
-  std::memcpy(scales_out, scale_of, 4 * g);
-  const int64_t block_bytes = block * bits / 8;
-  for (int64_t j = 0; j < g; ++j) {
-    uint8_t* d = data + j * block_bytes;
-    if (!scale_is_usable(scale_of[j])) {  // zero block (exact) or non-finite block (decodes NaN)
-      std::memset(d, 0, block_bytes);
-    } else {
-      quantize_nearest(x + j * block, block, bits, scale_of[j], inverse_of[j], d);
-    }
-  }
+  avx2::quantize_full_blocks_with(
+      x, g, block, bits, scales_out, data, [](const T* v, int64_t n, bool* nf) { return absmax(v, n, nf); },
+      [](const T* v, int64_t n, int b, float s, float inv, uint8_t* d) { quantize_nearest(v, n, b, s, inv, d); });
 }
 
 // 16 codes as fp32, starting at element i of a block's data (i a multiple of 16): avx2::codes8 at 16 lanes.
