@@ -455,8 +455,7 @@ def _predict(cluster: ClusterSpec, workload: WorkloadSpec, mp: ModelledPolicy) -
         agb = [param_cost(n, grp, True) for n, grp in buckets]
         diff = [difference_cost(n, grp) for n, grp in buckets]  # qWD: once per update, in the first forward
         first = [a + d for a, d in zip(ag, diff)]
-        dp_job.update({"dp.param": TagBytes(job_bytes(ag).intra * m + job_bytes(diff).intra,
-                                            job_bytes(ag).inter * m + job_bytes(diff).inter),
+        dp_job.update({"dp.param": job_bytes([a.scaled(m) + d for a, d in zip(ag, diff)]),
                        "dp.param.bwd": job_bytes(agb).scaled(m), "dp.grad": job_bytes(rs).scaled(m)})
         opg = lay.overlap_param_gather
         f_ph = _phase(g, fwd, ag[0].total_s, _sum(ag[1:]).total_s, 0.0, opg)

@@ -273,7 +273,6 @@ class AutoPolicy:
                      f"{m['inter_alpha_s'] * 1e3:.2f} ms; intra-node "
                      + (f"{m['intra_bandwidth_Bps'] / 1e6:.1f} MB/s per rank" if m["intra_bandwidth_Bps"] else "none")
                      + "; codecs " + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in m["codecs"].items()))
-        self._keep_what_fits(share=0.5, peak=False)  # activations not allocated yet: half of what is left
         # The warm-up runs the choice on the measured links with the matmul rate as compute (a provisional
         # estimate): on a slow link, warming up uncompressed would cost more than the whole calibration.
         from megatron_zpp.perfmodel import from_dict
@@ -284,8 +283,11 @@ class AutoPolicy:
                                     ranks_per_node=self.ranks_per_node, backend=dist.get_backend(), fwd_bwd_s=None,
                                     source="--zpp-policy auto, provisional")
             return fields, rank_candidates(from_dict(ClusterSpec, fields, "auto calibration"), self.workload,
-                                           self.candidates), self.measured_inputs.summary()
+                                           fitting_now), self.measured_inputs.summary()
 
+        # Only the warm-up's pick is limited by the memory left now (half of it: optimizer state and activations are
+        # not allocated yet); the decision after the warm-up measures again, on every candidate.
+        fitting_now = self._what_fits(share=0.5, peak=False)
         fields, ranked, inputs = decide_on_rank0(provisional, self.device)  # rank 0's measurements, on every rank
         self._provisional = from_dict(ClusterSpec, fields, "auto calibration")
         self.decisions.append({"iteration": first_iteration, "reason": "warm-up on the provisional estimate",
@@ -367,29 +369,26 @@ class AutoPolicy:
     def _predict_all(self) -> list[tuple[str, float]]:
         return rank_candidates(self.cluster, self.workload, self.candidates)
 
-    def _keep_what_fits(self, share: float, peak: bool) -> None:
-        """Drop the candidates whose held weight copy (qWD's or hpZ's on Megatron-FSDP) would not fit in ``share``
-        of the device memory every rank has left: the smallest over ranks of its total less what the allocator
-        holds now (``peak`` False: before training, activations unknown) or held at its peak (after the warm-up).
-        CUDA only: a CPU job's memory is not the accelerator's to run out of."""
+    def _what_fits(self, share: float, peak: bool) -> list:
+        """The candidates whose held weight copy (qWD's or hpZ's on Megatron-FSDP), beyond the running policy's,
+        fits in ``share`` of the device memory every rank has left: the smallest over ranks of its free memory
+        plus what the allocator holds now less what it holds now (``peak`` False: before training, optimizer
+        state and activations not allocated yet) or held at its peak (after the warm-up). CUDA only: a CPU job's
+        memory is not the accelerator's to run out of."""
         if self.device.type != "cuda" or self.zero_mode != "fsdp":
-            return
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        used = torch.cuda.max_memory_reserved(self.device) if peak else torch.cuda.memory_reserved(self.device)
-        left = torch.tensor([float(total - used)], dtype=torch.float64, device=self.device)
+            return self.candidates
+        free, _ = torch.cuda.mem_get_info(self.device)
+        reserved = torch.cuda.memory_reserved(self.device)
+        used = torch.cuda.max_memory_reserved(self.device) if peak else reserved
+        left = torch.tensor([float(free + reserved - used)], dtype=torch.float64, device=self.device)
         dist.all_reduce(left, op=dist.ReduceOp.MIN)
-        current = self.by_name.get(self.current)
-        keep, dropped = fitting(self.candidates, current, float(left), share,
+        left = float(left)
+        keep, dropped = fitting(self.candidates, self.by_name.get(self.current), left, share,
                                 lambda p: held_copy_bytes(p, self.workload, self.ranks_per_node))
-        if not keep:  # nothing fits beyond the running policy: keep it alone
-            keep = [current] if current is not None else [p for p in self.candidates if held_copy_bytes(
-                p, self.workload, self.ranks_per_node) == 0]
-            dropped = [p.name for p in self.candidates if p not in keep]
         if dropped and self.rank == 0:
             self.log(f"[zpp auto] not a candidate, its held weight copy would not fit in {share:.0%} of the "
-                     f"{float(left) / 2**30:.1f} GiB left on the fullest rank: {', '.join(dropped)}")
-        self.candidates = keep
-        self.by_name = {p.name: p for p in keep}
+                     f"{left / 2**30:.1f} GiB left on the fullest rank: {', '.join(dropped)}")
+        return keep
 
     def _choose(self, iteration: int) -> None:
         """The first decision: rank 0 builds the cluster from its calibration and the warm-up's compute, every
@@ -398,7 +397,8 @@ class AutoPolicy:
         from megatron_zpp.perfmodel.specs import ClusterSpec
 
         step_s, compute_s = self._window()
-        self._keep_what_fits(share=0.8, peak=True)
+        self.candidates = self._what_fits(share=0.8, peak=True)
+        self.by_name = {p.name: p for p in self.candidates}
         if self.device.type == "cuda":
             # Host timers see no stream time: on CUDA the window's compute is its step less the communication,
             # codec time and bubble the model predicts for the running policy (never less than 30% of the step).
@@ -583,13 +583,15 @@ def held_copy_bytes(policy, workload, ranks_per_node: int) -> int:
     """Bytes per rank a Megatron-FSDP policy keeps beside the sharded weights: hpZ's secondary copy of the
     weights (``size / hpz`` shards of every bucket: the dp.param codec's rows for qwZ, the weights' dtype for qWD,
     plus qWD's held shard). 0 elsewhere: on the distributed optimizer qWD holds one shard, noise next to its
-    optimizer state."""
+    optimizer state. An estimate: the pipeline stages' average share of the parameters (the embedding stage holds
+    more) and MoE expert groups counted like the dense one."""
     from megatron_zpp.compression import get_codec
 
     lay = workload.layout
     if lay.zero_mode != "fsdp" or policy.codec("dp.param") == "none":
         return 0
-    node_size = max(1, ranks_per_node // max(1, lay.tp))  # data-parallel members per node (Megatron strides by TP)
+    # data-parallel members per node, as the hooks' topology counts them (Megatron strides the group by TP)
+    node_size = max(1, min(lay.dp, ranks_per_node // max(1, lay.tp)))
     hpz = policy.hpz_partition(node_size)
     if hpz <= 1:
         return 0
