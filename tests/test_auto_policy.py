@@ -4,6 +4,8 @@ noticed and acted on. Its measured throughput against fixed policies is benchmar
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 import auto_checks as checks
@@ -11,8 +13,10 @@ from megatron_zpp.compression import get_codec
 from megatron_zpp.perfmodel import from_dict, predict
 from megatron_zpp.perfmodel.specs import ClusterSpec
 from megatron_zpp.policy import ConfigError, ZppConfig, resolve_policy
-from megatron_zpp.policy.auto import AutoPolicyConfig, candidates, model_parallel_codecs, parse_allow
+from megatron_zpp.policy.auto import (AutoPolicyConfig, add_auto_args, auto_config_from_args, candidates,
+                                      model_parallel_codecs, parse_allow)
 from megatron_zpp.testing import run_distributed
+from megatron_zpp.training.auto_policy import kept_after_exploring
 
 DISTOPT_OVERLAP = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
 LAYOUTS = {
@@ -263,3 +267,23 @@ def test_the_auto_cluster_yaml_loads_and_predicts(tmp_path):
     # the measured micro-batch is the model's compute for this exact workload
     p = predict(loaded, workload, "megatron")
     assert p.step_time_s >= 0.05 * workload.layout.microbatches
+
+
+def test_an_exploration_leaves_the_running_policy_only_for_a_gain_beyond_the_noise():
+    tried = ["qgz+qwd", "sdp4bit", "zeropp"]  # zeropp ran last: it is running when the exploration ends
+    # The run of 2026-11-27 at 100 Mbit/s on Megatron-FSDP: 1.7% apart is a tie, and leaving zeropp for sdp4bit
+    # cost a 750 ms full-precision gather of the weights.
+    tie = {"qgz+qwd": 2.064, "sdp4bit": 2.031, "zeropp": 2.066}
+    assert kept_after_exploring(tie, tried, "zeropp", 0.02) == "zeropp"
+    assert kept_after_exploring(tie, tried, "zeropp", 0.0) == "sdp4bit"  # no margin: the fastest measured
+    clear = {"qgz+qwd": 2.064, "sdp4bit": 1.90, "zeropp": 2.066}  # 8% faster: worth the switch
+    assert kept_after_exploring(clear, tried, "zeropp", 0.02) == "sdp4bit"
+    # Equal times go to the earlier tried; a window with nothing timed (NaN) never wins; nothing timed keeps.
+    assert kept_after_exploring({"qgz+qwd": 2.0, "sdp4bit": 2.0, "zeropp": 2.5}, tried, "zeropp", 0.02) == "qgz+qwd"
+    nan = float("nan")
+    assert kept_after_exploring({"qgz+qwd": nan, "sdp4bit": 2.2, "zeropp": nan}, tried, "zeropp", 0.02) == "sdp4bit"
+    assert kept_after_exploring({}, tried, "zeropp", 0.02) == "zeropp"
+    parser = argparse.ArgumentParser()
+    add_auto_args(parser)
+    with pytest.raises(ConfigError, match="explore-keep-margin 1.5"):
+        auto_config_from_args(parser.parse_args(["--zpp-auto-explore-keep-margin", "1.5"]))

@@ -47,6 +47,10 @@ class AutoPolicyConfig:
     faster (the model underrates codec costs on fast links); 0: only the explore-margin runners-up."""
     explore_iters: int = 4
     """Iterations each of the two runs when exploring (the first of each is not timed)."""
+    explore_keep_margin: float = 0.02
+    """At the end of an exploration, leave the policy running then only for one measured faster by more than this
+    fraction. Windows of a few iterations of one policy differ by about 2% on the emulated cluster, and leaving can
+    cost a full-precision weight gather (the first of a new weight scheme): a tie stays where it is."""
     cluster_yaml: str = ""
     """Where rank 0 writes the calibrated cluster YAML (default: zpp-auto-cluster.yaml in --save, else in the
     system temp directory; the path is logged)."""
@@ -78,7 +82,7 @@ def auto_config_from_args(args) -> AutoPolicyConfig:
                           f"--zpp-auto-explore-iters {config.explore_iters}")
     if not 0 < config.calibration_s <= 600:
         raise ConfigError(f"--zpp-auto-calibration-s {config.calibration_s} must be in (0, 600] seconds")
-    for name in ("recheck_tolerance", "hysteresis", "explore_margin", "explore_baseline_margin"):
+    for name in ("recheck_tolerance", "hysteresis", "explore_margin", "explore_baseline_margin", "explore_keep_margin"):
         if not 0 <= getattr(config, name) < 1:
             raise ConfigError(f"--zpp-auto-{name.replace('_', '-')} {getattr(config, name)} must be in [0, 1)")
     return config

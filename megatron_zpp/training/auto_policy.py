@@ -23,8 +23,9 @@ boundary, never inside a step):
    made. A drift beyond ``--zpp-auto-recheck-tolerance`` means the link changed: the inter-node link is measured
    again (cheaply) and the candidates re-ranked; another policy is taken only if predicted faster by more than
    ``--zpp-auto-hysteresis``. When the runner-up is predicted within ``--zpp-auto-explore-margin``, it runs for
-   ``--zpp-auto-explore-iters`` iterations once per decision and the measured faster of the two is kept
-   (measured beats predicted).
+   ``--zpp-auto-explore-iters`` iterations once per decision and the measured fastest is kept (measured beats
+   predicted); the policy running when the exploration ends stays unless another measured faster by more than
+   ``--zpp-auto-explore-keep-margin`` (a tie inside the windows' noise is not worth a switch).
 
 Every decision is a log line on rank 0 and a W&B event, with the measured inputs, each candidate's predicted step
 time, the choice and, at the next re-check, the choice's measured step time; ``summary()`` lists them (the same
@@ -472,7 +473,7 @@ class AutoPolicy:
             self._switch(iteration, names[0], "exploring the runner-up")
             return
         tried = [n for n in dict.fromkeys([*names, *self._measured]) if n in self.by_name]
-        keep = min(tried, key=lambda n: (self._measured.get(n, math.inf), tried.index(n)))
+        keep = kept_after_exploring(self._measured, tried, self.current, self.config.explore_keep_margin)
         if self.rank == 0:
             self.log(f"[zpp auto] iteration {iteration}: measured ms per iteration: "
                      + ", ".join(f"{n} {self._measured[n] * 1e3:.0f}" for n in tried if n in self._measured)
@@ -577,6 +578,19 @@ class AutoPolicy:
         return {"decisions": self.decisions, "current": self.current, "overhead_s": self.overhead_s,
                 "calibration": self.measured_inputs.summary() if self.measured_inputs else None,
                 "candidates": [p.name for p in self.candidates]}
+
+
+def kept_after_exploring(measured: dict[str, float], tried: list[str], current: str, keep_margin: float) -> str:
+    """The policy an exploration keeps: the measured fastest of ``tried`` (the earlier-tried on equal times), unless
+    ``current``, the one running, measured within ``keep_margin`` of it. A gain inside the windows' noise does not
+    pay for a switch (whose first gather may be a full-precision resync of the weights)."""
+    timed = [n for n in tried if math.isfinite(measured.get(n, math.nan))]
+    if not timed:
+        return current
+    best = min(timed, key=lambda n: (measured[n], tried.index(n)))
+    if current in timed and measured[current] <= measured[best] * (1 + keep_margin):
+        return current
+    return best
 
 
 def held_copy_bytes(policy, workload, ranks_per_node: int) -> int:
