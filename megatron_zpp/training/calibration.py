@@ -298,12 +298,17 @@ class Probe:
         """Seconds per call of ``fn`` on the slowest rank: one warm-up call sizes the repetitions to ``budget_s``
         (the same count on every rank: collectives must match); each call is timed on its own, the slowest rank's
         time taken per call, and the median over calls returned, so one call slowed by another job on a shared
-        machine does not move the result."""
+        machine does not move the result. With ``min_reps`` 1, a warm-up call that takes the whole budget is the
+        measurement."""
         dist.barrier()
         t0 = time.perf_counter()
         fn()
         self.sync()
         warm = self.agree_max(time.perf_counter() - t0)
+        if min_reps <= 1 and warm >= budget_s:
+            # One call took the whole budget (a large message on a slow link): its one-off costs are noise next to
+            # the transfer, and a second call would double what the measurement costs the job.
+            return warm
         reps = max(min_reps, min(max_reps, int(budget_s / max(warm, 1e-6))))
         dist.barrier()
         t = torch.tensor(self._each_call(fn, reps), dtype=torch.float64, device=self.device)
@@ -387,7 +392,9 @@ class Probe:
         while True:
             # Agreed (the largest over ranks): the repetition counts below must be the same on every rank.
             left = self.agree_max(max(deadline - time.perf_counter(), 0.0))
-            reps = 3 if not ts or ts[-1] * 4 * 5 < left else 1  # the next size's calls take ~4x the last one's
+            # The next size's calls take ~4x the last one's: two timed calls after the warm-up where the share has
+            # room for them, else the warm-up call alone when it takes its budget.
+            reps = 2 if not ts or ts[-1] * 4 * 4 < left else 1
             if group is None:
                 t = self._ring_step(size, left / 4, reps)
                 xs.append(float(size))
@@ -416,13 +423,13 @@ class Probe:
         def step():
             for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)]):
                 w.wait()
-        return self.timed(step, budget_s, max_reps=10, min_reps=min_reps)
+        return self.timed(step, budget_s, max_reps=5, min_reps=min_reps)
 
     def _a2a(self, group, peers: int, size: int, budget_s: float, min_reps: int) -> float:
         numel = size // 4
         inp = torch.randn((peers + 1) * numel, device=self.device)
         out = torch.empty_like(inp)
-        return self.timed(lambda: dist.all_to_all_single(out, inp, group=group), budget_s, max_reps=10,
+        return self.timed(lambda: dist.all_to_all_single(out, inp, group=group), budget_s, max_reps=5,
                           min_reps=min_reps)
 
     def small_collective(self) -> float:
