@@ -105,3 +105,23 @@ def link_change(parallel: list[str], iterations: int, change_at: int) -> dict:
     finally:
         auto.AutoPolicy.end, Probe.ring_ladder, auto.calibrate = original_end, original_ladder, original_calibrate
     return {"auto": run["auto_policy"], "finite": run["finite"], "replica_check": run["replica_check"]}
+
+
+def timed_calls(call_s: list[float], budget_s: float, min_reps: int, warm_counts: bool) -> dict:
+    """``Probe.timed`` on a call whose n-th run sleeps ``call_s[n]`` (the last value repeats) on every rank: what it
+    returns and how many calls it made."""
+    import time
+
+    import torch
+
+    from megatron_zpp.training.calibration import Probe
+
+    probe = Probe(torch.device("cpu"), dist.get_world_size())
+    calls = [0]
+
+    def fn():
+        time.sleep(call_s[min(calls[0], len(call_s) - 1)])
+        calls[0] += 1
+
+    t = probe.timed(fn, budget_s, max_reps=5, min_reps=min_reps, warm_counts=warm_counts)
+    return {"seconds": t, "calls": calls[0]}

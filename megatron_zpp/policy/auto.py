@@ -41,16 +41,18 @@ class AutoPolicyConfig:
     """After a re-measure, switch only to a policy predicted faster than the running one by more than this."""
     explore_margin: float = 0.05
     """When runners-up are predicted within this fraction of the choice, also run the closest two (once per
-    decision) and keep the one measured fastest (at startup, the uncompressed warm-up's measurement counts too)."""
+    decision) and keep the one measured fastest (at startup, the warm-up's measurement counts too), subject to
+    --zpp-auto-explore-keep-margin."""
     explore_baseline_margin: float = 0.3
     """Also run the best uncompressed candidate when the choice compresses and is predicted less than this fraction
     faster (the model underrates codec costs on fast links); 0: only the explore-margin runners-up."""
     explore_iters: int = 4
     """Iterations each of the two runs when exploring (the first of each is not timed)."""
-    explore_keep_margin: float = 0.02
+    explore_keep_margin: float = 0.01
     """At the end of an exploration, leave the policy running then only for one measured faster by more than this
-    fraction. Windows of a few iterations of one policy differ by about 2% on the emulated cluster, and leaving can
-    cost a full-precision weight gather (the first of a new weight scheme): a tie stays where it is."""
+    fraction (the windows' noise), and only when that gain over the iterations left (--train-iters) repays the
+    largest one-off cost of a switch measured so far in the run (a new weight scheme's first gather is in full
+    precision: 750 ms at 100 Mbit/s on the emulated cluster)."""
     cluster_yaml: str = ""
     """Where rank 0 writes the calibrated cluster YAML (default: zpp-auto-cluster.yaml in --save, else in the
     system temp directory; the path is logged)."""

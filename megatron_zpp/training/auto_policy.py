@@ -25,7 +25,8 @@ boundary, never inside a step):
    ``--zpp-auto-hysteresis``. When the runner-up is predicted within ``--zpp-auto-explore-margin``, it runs for
    ``--zpp-auto-explore-iters`` iterations once per decision and the measured fastest is kept (measured beats
    predicted); the policy running when the exploration ends stays unless another measured faster by more than
-   ``--zpp-auto-explore-keep-margin`` (a tie inside the windows' noise is not worth a switch).
+   ``--zpp-auto-explore-keep-margin`` and by enough, over the iterations left, to repay the largest one-off cost
+   of a switch measured in the run (the first iteration after a switch, less its window's median).
 
 Every decision is a log line on rank 0 and a W&B event, with the measured inputs, each candidate's predicted step
 time, the choice and, at the next re-check, the choice's measured step time; ``summary()`` lists them (the same
@@ -239,6 +240,8 @@ class AutoPolicy:
         self._steps: list[tuple[int, float, float]] = []  # (iteration, step s, compute s) this rank, since a switch
         self._timers0 = (0.0, 0.0)
         self._switched_at = 1
+        self._first_after_switch = -1.0  # this rank's step s of the first iteration after auto's last switch
+        self.switch_cost_s = 0.0  # the largest one-off cost of a switch measured so far (agreed over ranks)
         self._ratio0: float | None = None  # measured / predicted step of the running policy, when chosen
         self._measured: dict[str, float] = {}  # policy -> measured step s since the last (re-)measure
         self._plan: list[tuple[int, str]] = []  # exploration: (iteration, "try NAME" | "judge CHOICE RUNNER")
@@ -348,6 +351,8 @@ class AutoPolicy:
         codec, wait = t.codec_s - self._timers0[0], t.wait_s - self._timers0[1]
         if iteration > self._switched_at and not self.suspended():
             self._steps.append((iteration, seconds, max(seconds - codec - wait, 1e-9)))
+        elif iteration == self._switched_at and self._first_after_switch == 0.0:
+            self._first_after_switch = seconds  # armed by a switch after the warm-up's: its one-off cost is timed
 
     def _mark(self) -> None:
         from megatron_zpp.comm import comm_timers
@@ -358,14 +363,20 @@ class AutoPolicy:
     # ------------------------------------------------------------------ decisions
     def _window(self) -> tuple[float, float]:
         """(step s, compute s) of the iterations timed since the last switch: each rank's median, then the slowest
-        rank's (one all-reduce: every rank gets the same numbers). Clears the window."""
+        rank's (one all-reduce: every rank gets the same numbers). Clears the window. When the window follows a
+        switch, the first iteration's excess over the window's step is that switch's one-off cost (the largest so
+        far is ``switch_cost_s``)."""
         steps = [s for _, s, _ in self._steps] or [math.nan]
         computes = [c for _, _, c in self._steps] or [math.nan]
-        t = torch.tensor([statistics.median(steps), statistics.median(computes)], dtype=torch.float64,
-                         device=self.device)
+        t = torch.tensor([statistics.median(steps), statistics.median(computes), self._first_after_switch],
+                         dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         self._steps = []
-        return float(t[0]), float(t[1])
+        step_s, compute_s, first = float(t[0]), float(t[1]), float(t[2])
+        if first > 0 and math.isfinite(step_s):
+            self.switch_cost_s = max(self.switch_cost_s, first - step_s)
+        self._first_after_switch = -1.0
+        return step_s, compute_s
 
     def _predict_all(self) -> list[tuple[str, float]]:
         return rank_candidates(self.cluster, self.workload, self.candidates)
@@ -455,8 +466,9 @@ class AutoPolicy:
                 predicted[baseline] < predicted[choice] * (1 + self.config.explore_baseline_margin):
             close.append(baseline)
         if close and self.config.recheck_interval:
-            # Measured beats predicted: time the choice, then each runner-up, keep the fastest (the warm-up's own
-            # measurement counts when this is the startup decision).
+            # Measured beats predicted: time the choice, then each runner-up, keep the fastest unless the gain is
+            # noise or does not repay a switch (kept_after_exploring; the warm-up's own measurement counts when this
+            # is the startup decision).
             self._plan = [(iteration + (i + 1) * e, f"try {n}") for i, n in enumerate(close)]
             self._plan.append((iteration + (len(close) + 1) * e, "judge " + " ".join([choice, *close])))
             self._next_check = iteration + (len(close) + 2) * e
@@ -473,11 +485,14 @@ class AutoPolicy:
             self._switch(iteration, names[0], "exploring the runner-up")
             return
         tried = [n for n in dict.fromkeys([*names, *self._measured]) if n in self.by_name]
-        keep = kept_after_exploring(self._measured, tried, self.current, self.config.explore_keep_margin)
+        left = (self.args.train_iters - iteration + 1) if getattr(self.args, "train_iters", None) else math.inf
+        keep = kept_after_exploring(self._measured, tried, self.current, self.config.explore_keep_margin,
+                                    switch_cost_s=self.switch_cost_s, iterations_left=left)
         if self.rank == 0:
             self.log(f"[zpp auto] iteration {iteration}: measured ms per iteration: "
                      + ", ".join(f"{n} {self._measured[n] * 1e3:.0f}" for n in tried if n in self._measured)
-                     + f"; keeping {keep}")
+                     + f"; keeping {keep} (a switch cost up to {self.switch_cost_s * 1e3:.0f} ms so far, "
+                     f"{left:g} iterations left)")
         self.decisions.append({"iteration": iteration, "reason": "exploration measured", "inputs": {},
                                "predicted_s": {}, "choice": keep, "previous": self.current, "runner_up": None,
                                "margin": None, "measured_s": {n: self._measured.get(n) for n in tried}})
@@ -544,17 +559,21 @@ class AutoPolicy:
         if policy is None:  # a scripted preset
             policy = preset_for_job(name, zero_mode=self.zero_mode, ranks_per_node=self.hooks.policy.ranks_per_node,
                                     nodes_ranks=self.ranks_per_node)
-        if name != self.current:
-            with self.agreement.step("policy switch", local=True):
-                self.hooks.switch_policy(policy)
-            if reason == "script":
-                self.decisions.append({"iteration": iteration, "reason": reason, "choice": name,
-                                       "previous": self.current})
-                if self.rank == 0:
-                    self.log(f"[zpp auto] iteration {iteration}: {self.current} -> {name} (script)")
-            self.current = name
+        if name == self.current:
+            return  # nothing changes: the window goes on (no one-off cost to leave out)
+        with self.agreement.step("policy switch", local=True):
+            self.hooks.switch_policy(policy)
+        if reason == "script":
+            self.decisions.append({"iteration": iteration, "reason": reason, "choice": name,
+                                   "previous": self.current})
+            if self.rank == 0:
+                self.log(f"[zpp auto] iteration {iteration}: {self.current} -> {name} (script)")
+        self.current = name
         self._switched_at = iteration
         self._steps = []
+        # Time this switch's first iteration (0.0 arms end()); not the warm-up's, whose first iteration is the
+        # job's and carries its start-up.
+        self._first_after_switch = 0.0 if reason != "warm-up" else -1.0
 
     def _index(self, name: str) -> int:
         return next((i for i, p in enumerate(self.candidates) if p.name == name), -1)
@@ -576,20 +595,25 @@ class AutoPolicy:
 
     def summary(self) -> dict:
         return {"decisions": self.decisions, "current": self.current, "overhead_s": self.overhead_s,
+                "switch_cost_s": self.switch_cost_s,
                 "calibration": self.measured_inputs.summary() if self.measured_inputs else None,
                 "candidates": [p.name for p in self.candidates]}
 
 
-def kept_after_exploring(measured: dict[str, float], tried: list[str], current: str, keep_margin: float) -> str:
+def kept_after_exploring(measured: dict[str, float], tried: list[str], current: str, keep_margin: float, *,
+                         switch_cost_s: float = 0.0, iterations_left: float = math.inf) -> str:
     """The policy an exploration keeps: the measured fastest of ``tried`` (the earlier-tried on equal times), unless
-    ``current``, the one running, measured within ``keep_margin`` of it. A gain inside the windows' noise does not
-    pay for a switch (whose first gather may be a full-precision resync of the weights)."""
+    ``current``, the one running, measured within ``keep_margin`` of it (the windows' noise) or its gain per
+    iteration, over ``iterations_left``, does not repay ``switch_cost_s`` (a switch's one-off cost: a new weight
+    scheme's first gather is a full-precision one)."""
     timed = [n for n in tried if math.isfinite(measured.get(n, math.nan))]
     if not timed:
         return current
     best = min(timed, key=lambda n: (measured[n], tried.index(n)))
-    if current in timed and measured[current] <= measured[best] * (1 + keep_margin):
-        return current
+    if current in timed:
+        gain = measured[current] - measured[best]
+        if gain <= keep_margin * measured[best] or gain * iterations_left <= switch_cost_s:
+            return current
     return best
 
 

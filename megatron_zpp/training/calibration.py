@@ -294,26 +294,26 @@ class Probe:
         dist.all_gather(out, t)
         return [float(x.item()) for x in out]
 
-    def timed(self, fn, budget_s: float, max_reps: int = 20, min_reps: int = 3) -> float:
+    def timed(self, fn, budget_s: float, max_reps: int = 20, min_reps: int = 3, warm_counts: bool = False) -> float:
         """Seconds per call of ``fn`` on the slowest rank: one warm-up call sizes the repetitions to ``budget_s``
         (the same count on every rank: collectives must match); each call is timed on its own, the slowest rank's
         time taken per call, and the median over calls returned, so one call slowed by another job on a shared
-        machine does not move the result. With ``min_reps`` 1, a warm-up call that takes the whole budget is the
-        measurement."""
+        machine does not move the result. ``warm_counts`` (the network ladder, whose calls are transfers): with
+        fewer than 3 timed calls the warm-up call is a third sample of the median, and with ``min_reps`` 1 a warm-up
+        call that takes the whole budget is the measurement (a second call would double what it costs the job)."""
         dist.barrier()
         t0 = time.perf_counter()
         fn()
         self.sync()
         warm = self.agree_max(time.perf_counter() - t0)
-        if min_reps <= 1 and warm >= budget_s:
-            # One call took the whole budget (a large message on a slow link): its one-off costs are noise next to
-            # the transfer, and a second call would double what the measurement costs the job.
-            return warm
+        if warm_counts and min_reps <= 1 and warm >= budget_s:
+            return warm  # a large message on a slow link: its one-off costs are noise next to the transfer
         reps = max(min_reps, min(max_reps, int(budget_s / max(warm, 1e-6))))
         dist.barrier()
         t = torch.tensor(self._each_call(fn, reps), dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return statistics.median(t.tolist())
+        calls = t.tolist()
+        return statistics.median(calls + [warm] if warm_counts and reps < 3 else calls)
 
     def local_median(self, fn, reps: int, warm: int = 1) -> float:
         """Median seconds of ``fn`` on this rank (all ranks run it at once after a barrier)."""
@@ -423,14 +423,14 @@ class Probe:
         def step():
             for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)]):
                 w.wait()
-        return self.timed(step, budget_s, max_reps=5, min_reps=min_reps)
+        return self.timed(step, budget_s, max_reps=5, min_reps=min_reps, warm_counts=True)
 
     def _a2a(self, group, peers: int, size: int, budget_s: float, min_reps: int) -> float:
         numel = size // 4
         inp = torch.randn((peers + 1) * numel, device=self.device)
         out = torch.empty_like(inp)
         return self.timed(lambda: dist.all_to_all_single(out, inp, group=group), budget_s, max_reps=5,
-                          min_reps=min_reps)
+                          min_reps=min_reps, warm_counts=True)
 
     def small_collective(self) -> float:
         x = torch.zeros(1, device=self.device)
