@@ -125,3 +125,13 @@ def timed_calls(call_s: list[float], budget_s: float, min_reps: int, warm_counts
 
     t = probe.timed(fn, budget_s, max_reps=5, min_reps=min_reps, warm_counts=warm_counts)
     return {"seconds": t, "calls": calls[0]}
+
+
+def exploration(parallel: list[str], iterations: int, share: float) -> dict:
+    """``--zpp-policy auto`` whose every candidate is 'close' (explore margin 0.99): with ``share`` of the run for
+    exploring, the runners-up that fit run 2 iterations each and the judge keeps one; replicas checked at every use."""
+    run = pretrain(SMALL + parallel + ["--train-iters", str(iterations), "--zpp-policy", "auto",
+                                       "--zpp-auto-calibration-s", "1", "--zpp-auto-warmup-iters", "2",
+                                       "--zpp-auto-explore-iters", "2", "--zpp-auto-explore-margin", "0.99",
+                                       "--zpp-auto-explore-share", str(share), "--check-replica-weights"], log=_quiet)
+    return {"auto": run["auto_policy"], "finite": run["finite"], "replica_check": run["replica_check"]}

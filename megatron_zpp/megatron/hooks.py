@@ -159,8 +159,7 @@ class MegatronHooks(DdpRouting, FsdpRouting):
                              f"ranks per node {policy.ranks_per_node} must be {self.ranks_per_node}")
         check_policy_devices(policy, self.device_type)
         old = self.policy
-        weights_change = ((old.codec("dp.param"), old.param_difference, old.hpz_size)
-                          != (policy.codec("dp.param"), policy.param_difference, policy.hpz_size))
+        weights_change = old.weight_scheme != policy.weight_scheme
         self.policy = policy
         self._lossy_specs = frozenset(spec for spec in policy.codecs.values()
                                       if spec != "none" and not get_codec(spec).lossless)

@@ -47,12 +47,18 @@ class AutoPolicyConfig:
     """Also run the best uncompressed candidate when the choice compresses and is predicted less than this fraction
     faster (the model underrates codec costs on fast links); 0: only the explore-margin runners-up."""
     explore_iters: int = 4
-    """Iterations each of the two runs when exploring (the first of each is not timed)."""
+    """Iterations each policy runs when exploring (the first after a switch is not timed)."""
+    explore_share: float = 0.1
+    """The share of the iterations left (--train-iters, --exit-interval) that exploring runners-up may take: on a
+    run of thousands of iterations every close runner-up runs; on a short one, where their slower windows would
+    cost more than a better pick can repay, few or none (the model's choice is kept)."""
     explore_keep_margin: float = 0.01
     """At the end of an exploration, leave the policy running then only for one measured faster by more than this
-    fraction (the windows' noise), and only when that gain over the iterations left (--train-iters) repays the
-    largest one-off cost of a switch measured so far in the run (a new weight scheme's first gather is in full
-    precision: 750 ms at 100 Mbit/s on the emulated cluster)."""
+    fraction, and, when that one gathers the weights differently (dp.param codec, qWD, hpZ), only if the gain over
+    the iterations left (--train-iters, --exit-interval) repays that switch's one-off cost: a gather of the weights
+    in their dtype across nodes, priced by the model on the measured link, or the largest such cost measured on
+    this link if more (750 ms at 100 Mbit/s on the emulated cluster). One window of a few iterations of one policy
+    varies by about 1.4% there: a switch taken on noise costs at most one switch."""
     cluster_yaml: str = ""
     """Where rank 0 writes the calibrated cluster YAML (default: zpp-auto-cluster.yaml in --save, else in the
     system temp directory; the path is logged)."""
@@ -84,7 +90,8 @@ def auto_config_from_args(args) -> AutoPolicyConfig:
                           f"--zpp-auto-explore-iters {config.explore_iters}")
     if not 0 < config.calibration_s <= 600:
         raise ConfigError(f"--zpp-auto-calibration-s {config.calibration_s} must be in (0, 600] seconds")
-    for name in ("recheck_tolerance", "hysteresis", "explore_margin", "explore_baseline_margin", "explore_keep_margin"):
+    for name in ("recheck_tolerance", "hysteresis", "explore_margin", "explore_baseline_margin", "explore_keep_margin",
+                 "explore_share"):
         if not 0 <= getattr(config, name) < 1:
             raise ConfigError(f"--zpp-auto-{name.replace('_', '-')} {getattr(config, name)} must be in [0, 1)")
     return config

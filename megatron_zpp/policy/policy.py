@@ -73,6 +73,12 @@ class Policy:
         return self.codecs[dimension] != "none"
 
     @property
+    def weight_scheme(self) -> tuple:
+        """What the replicas' weights are gathered with (dp.param codec, qWD, hpZ size): a switch that changes it
+        drops the held copies, and the next gather of every bucket is in full precision."""
+        return self.codecs["dp.param"], self.param_difference, self.hpz_size
+
+    @property
     def is_identity(self) -> bool:
         """Whether installing the policy leaves Megatron's training bit-identical."""
         return all(c == "none" for c in self.codecs.values()) and self.dp_uncompressed == "megatron"

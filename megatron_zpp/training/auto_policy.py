@@ -237,11 +237,12 @@ class AutoPolicy:
         self.decisions: list[dict] = []
         self.measured_inputs: Measured | None = None
         self.cluster = None
-        self._steps: list[tuple[int, float, float]] = []  # (iteration, step s, compute s) this rank, since a switch
+        self._steps: list[tuple[int, float, float]] = []  # (iteration, step s, compute s) this rank, since the last
+        # window (a switch or a measurement)
         self._timers0 = (0.0, 0.0)
         self._switched_at = 1
-        self._first_after_switch = -1.0  # this rank's step s of the first iteration after auto's last switch
-        self.switch_cost_s = 0.0  # the largest one-off cost of a switch measured so far (agreed over ranks)
+        self._first_after_switch = -1.0  # this rank's step s of the first iteration after a weight-scheme switch
+        self.switch_cost_s = 0.0  # the largest one-off cost of a weight-scheme switch on this link (agreed over ranks)
         self._ratio0: float | None = None  # measured / predicted step of the running policy, when chosen
         self._measured: dict[str, float] = {}  # policy -> measured step s since the last (re-)measure
         self._plan: list[tuple[int, str]] = []  # exploration: (iteration, "try NAME" | "judge CHOICE RUNNER")
@@ -326,7 +327,9 @@ class AutoPolicy:
             # The divergence guard's fallback: no decision inside it (it promised uncompressed iterations), no
             # window measured while lossy codecs step aside; what was due waits for its end.
             self._decide_at += self._decide_at == iteration
-            self._plan = [(it + (it == iteration), action) for it, action in self._plan]
+            if self._plan and self._plan[0][0] <= iteration:  # the exploration waits, its spacing and re-check too
+                self._plan = [(it + 1, action) for it, action in self._plan]
+                self._next_check = None if self._next_check is None else self._next_check + 1
             self._steps = []
             self._mark()
             return
@@ -362,10 +365,10 @@ class AutoPolicy:
 
     # ------------------------------------------------------------------ decisions
     def _window(self) -> tuple[float, float]:
-        """(step s, compute s) of the iterations timed since the last switch: each rank's median, then the slowest
+        """(step s, compute s) of the iterations timed since the last window: each rank's median, then the slowest
         rank's (one all-reduce: every rank gets the same numbers). Clears the window. When the window follows a
-        switch, the first iteration's excess over the window's step is that switch's one-off cost (the largest so
-        far is ``switch_cost_s``)."""
+        switch of the weight scheme, the first iteration's excess over the window's step is that switch's one-off
+        cost (the largest on this link is ``switch_cost_s``)."""
         steps = [s for _, s, _ in self._steps] or [math.nan]
         computes = [c for _, _, c in self._steps] or [math.nan]
         t = torch.tensor([statistics.median(steps), statistics.median(computes), self._first_after_switch],
@@ -465,6 +468,13 @@ class AutoPolicy:
         if baseline and baseline != choice and baseline not in close and \
                 predicted[baseline] < predicted[choice] * (1 + self.config.explore_baseline_margin):
             close.append(baseline)
+        # Exploring is an investment the rest of the run repays: the runners-up may take --zpp-auto-explore-share of
+        # the iterations left (on a run of thousands every close one runs, on a short one few or none), and none
+        # runs when the run would end before the judgement.
+        left = self._iterations_left(iteration)
+        close = close[:int(self.config.explore_share * left) // e]
+        if close and (len(close) + 1) * e > left - 1:
+            close = []
         if close and self.config.recheck_interval:
             # Measured beats predicted: time the choice, then each runner-up, keep the fastest unless the gain is
             # noise or does not repay a switch (kept_after_exploring; the warm-up's own measurement counts when this
@@ -476,6 +486,25 @@ class AutoPolicy:
             self._plan = []
             self._next_check = iteration + e if self.config.recheck_interval else None
 
+    def _full_precision_gather_s(self) -> float:
+        """The model's time for one gather of the weights in their dtype across nodes: what the first iteration
+        after a switch to another weight scheme pays (measured: 750 ms for the make-train model at 100 Mbit/s on
+        Megatron-FSDP, against 600 ms from this). Same on every rank (the cluster is rank 0's, broadcast)."""
+        if self.cluster is None or self.nodes < 2:
+            return 0.0
+        lay = self.workload.layout
+        weights = _total_params(self.workload) // (lay.tp * lay.pp) * lay.param_bytes
+        return self.cluster.inter_alpha + weights * (self.nodes - 1) / self.nodes / self.cluster.inter_bandwidth
+
+    def _iterations_left(self, iteration: int) -> float:
+        """Iterations from ``iteration`` (included) to the end of the run, or to its next ``--exit-interval``
+        boundary (the trainer always has ``--train-iters``)."""
+        end = getattr(self.args, "train_iters", None) or math.inf
+        exit_interval = getattr(self.args, "exit_interval", None)
+        if exit_interval:
+            end = min(end, (iteration + exit_interval - 1) // exit_interval * exit_interval)
+        return end - iteration + 1
+
     def _explore_step(self, iteration: int, action: str) -> None:
         step_s, _ = self._window()
         self._measured[self.current] = step_s
@@ -485,13 +514,16 @@ class AutoPolicy:
             self._switch(iteration, names[0], "exploring the runner-up")
             return
         tried = [n for n in dict.fromkeys([*names, *self._measured]) if n in self.by_name]
-        left = (self.args.train_iters - iteration + 1) if getattr(self.args, "train_iters", None) else math.inf
+        left = self._iterations_left(iteration)
+        scheme = self.by_name[self.current].weight_scheme if self.current in self.by_name else None
+        new_scheme_s = max(self.switch_cost_s, self._full_precision_gather_s())
         keep = kept_after_exploring(self._measured, tried, self.current, self.config.explore_keep_margin,
-                                    switch_cost_s=self.switch_cost_s, iterations_left=left)
+                                    switch_cost_s=lambda n: 0.0 if self.by_name[n].weight_scheme == scheme
+                                    else new_scheme_s, iterations_left=left)
         if self.rank == 0:
             self.log(f"[zpp auto] iteration {iteration}: measured ms per iteration: "
                      + ", ".join(f"{n} {self._measured[n] * 1e3:.0f}" for n in tried if n in self._measured)
-                     + f"; keeping {keep} (a switch cost up to {self.switch_cost_s * 1e3:.0f} ms so far, "
+                     + f"; keeping {keep} (a switch to another weight scheme costs {new_scheme_s * 1e3:.0f} ms; "
                      f"{left:g} iterations left)")
         self.decisions.append({"iteration": iteration, "reason": "exploration measured", "inputs": {},
                                "predicted_s": {}, "choice": keep, "previous": self.current, "runner_up": None,
@@ -546,6 +578,7 @@ class AutoPolicy:
         view = decide_on_rank0(rerank, self.device)
         self.cluster = dataclasses.replace(self.cluster, inter_alpha=view["alpha"], inter_bandwidth=view["bandwidth"])
         self._measured = {}
+        self.switch_cost_s = 0.0  # measured on the old link
         ranked, choice = view["ranked"], view["choice"]
         self._decide(iteration, f"measured/predicted drifted {100 * drift:+.0f}%, link re-measured: "
                                 f"{view['bandwidth'] / 1e6:.2f} MB/s per node in {seconds:.1f} s", ranked, choice,
@@ -568,12 +601,15 @@ class AutoPolicy:
                                    "previous": self.current})
             if self.rank == 0:
                 self.log(f"[zpp auto] iteration {iteration}: {self.current} -> {name} (script)")
+        old = self.by_name.get(self.current)
         self.current = name
         self._switched_at = iteration
         self._steps = []
-        # Time this switch's first iteration (0.0 arms end()); not the warm-up's, whose first iteration is the
+        # Time the first iteration of a switch that changes the weight scheme (0.0 arms end()): its full-precision
+        # gather is the one-off cost a later switch would pay again. Not the warm-up's: that first iteration is the
         # job's and carries its start-up.
-        self._first_after_switch = 0.0 if reason != "warm-up" else -1.0
+        new_scheme = old is None or old.weight_scheme != policy.weight_scheme
+        self._first_after_switch = 0.0 if reason != "warm-up" and new_scheme else -1.0
 
     def _index(self, name: str) -> int:
         return next((i for i, p in enumerate(self.candidates) if p.name == name), -1)
@@ -601,18 +637,19 @@ class AutoPolicy:
 
 
 def kept_after_exploring(measured: dict[str, float], tried: list[str], current: str, keep_margin: float, *,
-                         switch_cost_s: float = 0.0, iterations_left: float = math.inf) -> str:
+                         switch_cost_s=0.0, iterations_left: float = math.inf) -> str:
     """The policy an exploration keeps: the measured fastest of ``tried`` (the earlier-tried on equal times), unless
-    ``current``, the one running, measured within ``keep_margin`` of it (the windows' noise) or its gain per
-    iteration, over ``iterations_left``, does not repay ``switch_cost_s`` (a switch's one-off cost: a new weight
-    scheme's first gather is a full-precision one)."""
+    ``current``, the one running, measured within ``keep_margin`` of it or its gain per iteration, over
+    ``iterations_left``, does not repay the one-off cost of switching to it (``switch_cost_s``: seconds, or a
+    function of the policy name; a new weight scheme's first gather is a full-precision one)."""
     timed = [n for n in tried if math.isfinite(measured.get(n, math.nan))]
     if not timed:
         return current
     best = min(timed, key=lambda n: (measured[n], tried.index(n)))
     if current in timed:
         gain = measured[current] - measured[best]
-        if gain <= keep_margin * measured[best] or gain * iterations_left <= switch_cost_s:
+        cost = switch_cost_s(best) if callable(switch_cost_s) else switch_cost_s
+        if gain <= keep_margin * measured[best] or gain * iterations_left <= cost:
             return current
     return best
 

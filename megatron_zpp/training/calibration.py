@@ -299,7 +299,7 @@ class Probe:
         (the same count on every rank: collectives must match); each call is timed on its own, the slowest rank's
         time taken per call, and the median over calls returned, so one call slowed by another job on a shared
         machine does not move the result. ``warm_counts`` (the network ladder, whose calls are transfers): with
-        fewer than 3 timed calls the warm-up call is a third sample of the median, and with ``min_reps`` 1 a warm-up
+        fewer than 3 timed calls the warm-up call joins the median's samples, and with ``min_reps`` 1 a warm-up
         call that takes the whole budget is the measurement (a second call would double what it costs the job)."""
         dist.barrier()
         t0 = time.perf_counter()
