@@ -12,11 +12,12 @@ Megatron or a process group. Formulas, assumptions and what is not modelled: ``R
 
 from megatron_zpp.perfmodel.collectives import Cost, Group
 from megatron_zpp.perfmodel.model import (BUILTIN_POLICIES, DEFAULT_POLICIES, TAGS, ModelledPolicy, Prediction,
-                                          TagBytes, iteration_flops, predict, resolve, total_params)
+                                          TagBytes, full_precision_weight_gather_s, iteration_flops, predict, resolve,
+                                          total_params)
 from megatron_zpp.perfmodel.specs import (ClusterSpec, CodecThroughput, LayoutSpec, MeasuredIteration, MeasuredLayer,
                                           ModelSpec,
                                           WorkloadSpec, from_dict, load_cluster, load_workload)
 
 __all__ = ["BUILTIN_POLICIES", "DEFAULT_POLICIES", "TAGS", "ClusterSpec", "CodecThroughput", "Cost", "Group",
            "LayoutSpec", "MeasuredIteration", "MeasuredLayer", "ModelSpec", "ModelledPolicy", "Prediction", "TagBytes", "WorkloadSpec",
-           "from_dict", "iteration_flops", "load_cluster", "load_workload", "predict", "resolve", "total_params"]
+           "from_dict", "full_precision_weight_gather_s", "iteration_flops", "load_cluster", "load_workload", "predict", "resolve", "total_params"]

@@ -260,6 +260,33 @@ def parallel_groups(cluster: ClusterSpec, workload: WorkloadSpec) -> dict[str, G
     return groups
 
 
+def weight_buckets(workload: WorkloadSpec, groups: dict[str, Group]) -> list[tuple[int, Group]]:
+    """(parameters, group) of every data-parallel bucket of one rank's (tp, pp) slice of the model: the dense
+    parameters over the data-parallel group, MoE's expert parameters (ep of them per stage) in their own buckets over
+    the expert-data-parallel group."""
+    lay = workload.layout
+    dense_params, moe_params = dense_and_expert_params(workload)
+    kinds = [(math.ceil(dense_params / (lay.tp * lay.pp)), groups["dp"])]
+    if moe_params:
+        kinds.append((math.ceil(moe_params / (lay.ep * lay.pp)), groups["edp"]))
+    bucket = lay.bucket_size or (math.ceil(layer_params(workload) / lay.tp) if lay.zero_mode == "fsdp"
+                                 else max(40_000_000, 1_000_000 * lay.dp))  # Megatron's default
+    buckets = []
+    for params, group in kinds:
+        k = math.ceil(params / bucket)
+        buckets += [(n, group) for n in [bucket] * (k - 1) + [params - (k - 1) * bucket]]
+    return buckets
+
+
+def full_precision_weight_gather_s(cluster: ClusterSpec, workload: WorkloadSpec) -> float:
+    """Seconds of one uncompressed all-gather of every weight bucket over its group, in the weights' dtype: what the
+    first iteration after a switch into 4-bit weight differences (qWD) pays to start every replica's held copy
+    from exact weights."""
+    groups = parallel_groups(cluster, workload)
+    return sum(C.all_gather(cluster, group, ceil_div(n, group.size), "none", workload.layout.param_bytes).wire_s
+               for n, group in weight_buckets(workload, groups))
+
+
 def _phase(gamma: float, compute: float, head: float, body: float, tail: float, overlap: bool) -> float:
     """Agarwal et al.'s overlap: the head's and tail's collectives cannot overlap (the first bucket is needed
     before compute starts, the last is ready only when it ends); the body hides behind gamma-slowed compute."""
@@ -381,18 +408,7 @@ def _predict(cluster: ClusterSpec, workload: WorkloadSpec, mp: ModelledPolicy) -
         raise ValueError(f"policy {mp.name!r} gathers weight differences (qWD), which needs the sharded weights of "
                          f"the distributed optimizer or Megatron-FSDP; the workload's zero_mode is "
                          f"{lay.zero_mode!r} (valid: distopt, fsdp)")
-    dense_params, moe_params = dense_and_expert_params(workload)
-    # (bucket sizes, group) per kind: the dense parameters over the data-parallel group, MoE's expert parameters
-    # (ep of them per stage) in their own buckets over the expert-data-parallel group.
-    kinds = [(math.ceil(dense_params / (lay.tp * lay.pp)), groups["dp"])]
-    if moe_params:
-        kinds.append((math.ceil(moe_params / (lay.ep * lay.pp)), groups["edp"]))
-    bucket = lay.bucket_size or (math.ceil(layer_params(workload) / lay.tp) if lay.zero_mode == "fsdp"
-                                 else max(40_000_000, 1_000_000 * lay.dp))  # Megatron's default
-    buckets = []  # (parameters, group)
-    for params, group in kinds:
-        k = math.ceil(params / bucket)
-        buckets += [(n, group) for n in [bucket] * (k - 1) + [params - (k - 1) * bucket]]
+    buckets = weight_buckets(workload, groups)
     grad_spec, param_spec = pol.codec("dp.grad"), pol.codec("dp.param")
     stages = pol.qgz_stages
     dense = groups["dp"]
@@ -479,8 +495,7 @@ def _predict(cluster: ClusterSpec, workload: WorkloadSpec, mp: ModelledPolicy) -
 
     dp_all = _sum([tag_costs[t] for t in ("dp.grad", "dp.param", "dp.param.bwd")])
     codec_share = dp_all.codec_s / dp_all.total_s if dp_all.total_s else 0.0
-    params_per_rank = sum(n / (1 if lay.zero_mode == "ddp" else grp.size) for n, grp in
-                          zip([n for n, _ in kinds], [grp for _, grp in kinds]))
+    params_per_rank = sum(n / (1 if lay.zero_mode == "ddp" else grp.size) for n, grp in buckets)
     optimizer = params_per_rank / cluster.optimizer_params_per_s + cluster.optimizer_overhead_s
 
     compute = m * (math_f + math_b)

@@ -38,11 +38,13 @@ class AutoPolicyConfig:
     """A drift of measured / predicted step time beyond this fraction (against the ratio at the choice) means
     the link changed: re-measure it and re-rank."""
     hysteresis: float = 0.05
-    """After a re-measure, switch only to a policy predicted faster than the running one by more than this."""
+    """After a re-measure, switch only to a policy predicted faster than the running one by more than this (and by
+    enough to repay a switch into 4-bit weight differences before the run ends)."""
     explore_margin: float = 0.05
     """When runners-up are predicted within this fraction of the choice, also run the closest two (once per
-    decision) and keep the one measured fastest (at startup, the warm-up's measurement counts too), subject to
-    --zpp-auto-explore-keep-margin."""
+    decision; with the best uncompressed one, see --zpp-auto-explore-baseline-margin; within
+    --zpp-auto-explore-share of the run) and keep the one measured fastest (at startup, the warm-up's measurement
+    counts too), subject to --zpp-auto-explore-keep-margin."""
     explore_baseline_margin: float = 0.3
     """Also run the best uncompressed candidate when the choice compresses and is predicted less than this fraction
     faster (the model underrates codec costs on fast links); 0: only the explore-margin runners-up."""
@@ -54,11 +56,11 @@ class AutoPolicyConfig:
     cost more than a better pick can repay, few or none (the model's choice is kept)."""
     explore_keep_margin: float = 0.01
     """At the end of an exploration, leave the policy running then only for one measured faster by more than this
-    fraction, and, when that one gathers the weights differently (dp.param codec, qWD, hpZ), only if the gain over
-    the iterations left (--train-iters, --exit-interval) repays that switch's one-off cost: a gather of the weights
-    in their dtype across nodes, priced by the model on the measured link, or the largest such cost measured on
-    this link if more (750 ms at 100 Mbit/s on the emulated cluster). One window of a few iterations of one policy
-    varies by about 1.4% there: a switch taken on noise costs at most one switch."""
+    fraction, net of that switch's one-off cost spread over the iterations left (--train-iters, --exit-interval).
+    Only a switch into 4-bit weight differences from another weight scheme has one: an uncompressed gather of the
+    weights (priced by the model on the measured link, or the largest measured on this link if more; 750 ms at
+    100 Mbit/s on the emulated cluster). One window of a few iterations of one policy varies by about 1.4% there:
+    a switch taken on noise costs at most one switch."""
     cluster_yaml: str = ""
     """Where rank 0 writes the calibrated cluster YAML (default: zpp-auto-cluster.yaml in --save, else in the
     system temp directory; the path is logged)."""

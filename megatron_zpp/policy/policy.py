@@ -75,7 +75,8 @@ class Policy:
     @property
     def weight_scheme(self) -> tuple:
         """What the replicas' weights are gathered with (dp.param codec, qWD, hpZ size): a switch that changes it
-        drops the held copies, and the next gather of every bucket is in full precision."""
+        drops the held copies (qWD's shards, hpZ's secondary copy); a qWD scheme starts again from a full-precision
+        gather."""
         return self.codecs["dp.param"], self.param_difference, self.hpz_size
 
     @property

@@ -23,10 +23,11 @@ boundary, never inside a step):
    made. A drift beyond ``--zpp-auto-recheck-tolerance`` means the link changed: the inter-node link is measured
    again (cheaply) and the candidates re-ranked; another policy is taken only if predicted faster by more than
    ``--zpp-auto-hysteresis``. When the runner-up is predicted within ``--zpp-auto-explore-margin``, it runs for
-   ``--zpp-auto-explore-iters`` iterations once per decision and the measured fastest is kept (measured beats
-   predicted); the policy running when the exploration ends stays unless another measured faster by more than
-   ``--zpp-auto-explore-keep-margin`` and by enough, over the iterations left, to repay the largest one-off cost
-   of a switch measured in the run (the first iteration after a switch, less its window's median).
+   ``--zpp-auto-explore-iters`` iterations once per decision (the runners-up taking at most
+   ``--zpp-auto-explore-share`` of the iterations left) and the measured fastest is kept (measured beats
+   predicted), net of its switch's one-off cost spread over the iterations left (a switch into 4-bit weight
+   differences starts from a full-precision gather), unless that net gain is within
+   ``--zpp-auto-explore-keep-margin`` of the policy running when the exploration ends.
 
 Every decision is a log line on rank 0 and a W&B event, with the measured inputs, each candidate's predicted step
 time, the choice and, at the next re-check, the choice's measured step time; ``summary()`` lists them (the same
@@ -241,13 +242,14 @@ class AutoPolicy:
         # window (a switch or a measurement)
         self._timers0 = (0.0, 0.0)
         self._switched_at = 1
-        self._first_after_switch = -1.0  # this rank's step s of the first iteration after a weight-scheme switch
-        self.switch_cost_s = 0.0  # the largest one-off cost of a weight-scheme switch on this link (agreed over ranks)
+        self._first_after_switch = -1.0  # this rank's step s of the first iteration after a switch into qWD
+        self.switch_cost_s = 0.0  # the largest one-off cost of a switch into qWD on this link (agreed over ranks)
         self._ratio0: float | None = None  # measured / predicted step of the running policy, when chosen
         self._measured: dict[str, float] = {}  # policy -> measured step s since the last (re-)measure
         self._plan: list[tuple[int, str]] = []  # exploration: (iteration, "try NAME" | "judge CHOICE RUNNER")
         self._next_check: int | None = None
         self._decide_at = config.warmup_iters + 1
+        self._in_fallback = False
         self.overhead_s = 0.0  # calibration, decisions and re-measures: host time outside the timed iterations
         self.suspended = lambda: False  # the trainer: whether the divergence guard runs its fallback
 
@@ -326,13 +328,23 @@ class AutoPolicy:
         if self.suspended():
             # The divergence guard's fallback: no decision inside it (it promised uncompressed iterations), no
             # window measured while lossy codecs step aside; what was due waits for its end.
-            self._decide_at += self._decide_at == iteration
-            if self._plan and self._plan[0][0] <= iteration:  # the exploration waits, its spacing and re-check too
-                self._plan = [(it + 1, action) for it, action in self._plan]
-                self._next_check = None if self._next_check is None else self._next_check + 1
+            self._in_fallback = True
             self._steps = []
             self._mark()
             return
+        if self._in_fallback:
+            # The fallback's end: its first iteration carries qWD's full-precision resync (not timed), and what was
+            # due waits for a window of its own (the exploration keeps its spacing and its re-check).
+            self._in_fallback = False
+            self._switched_at = iteration
+            self._first_after_switch = -1.0
+            if self.cluster is None:
+                self._decide_at = max(self._decide_at, iteration + 2)
+            e = self.config.explore_iters
+            shift = max(0, iteration + e - self._plan[0][0]) if self._plan else 0
+            self._plan = [(it + shift, action) for it, action in self._plan]
+            if self._next_check is not None:
+                self._next_check = max(self._next_check + shift, iteration + e)
         if self.script:
             if iteration in self.script:
                 self._switch(iteration, self.script[iteration], "script")
@@ -367,8 +379,8 @@ class AutoPolicy:
     def _window(self) -> tuple[float, float]:
         """(step s, compute s) of the iterations timed since the last window: each rank's median, then the slowest
         rank's (one all-reduce: every rank gets the same numbers). Clears the window. When the window follows a
-        switch of the weight scheme, the first iteration's excess over the window's step is that switch's one-off
-        cost (the largest on this link is ``switch_cost_s``)."""
+        switch into qWD, the first iteration's excess over the window's step is that switch's one-off cost (the
+        largest on this link is ``switch_cost_s``)."""
         steps = [s for _, s, _ in self._steps] or [math.nan]
         computes = [c for _, _, c in self._steps] or [math.nan]
         t = torch.tensor([statistics.median(steps), statistics.median(computes), self._first_after_switch],
@@ -412,6 +424,9 @@ class AutoPolicy:
         from megatron_zpp.perfmodel.specs import ClusterSpec
 
         step_s, compute_s = self._window()
+        if not math.isfinite(step_s):  # nothing timed (a window emptied by the guard's fallback): measure again
+            self._decide_at = iteration + 2
+            return
         self.candidates = self._what_fits(share=0.8, peak=True)
         self.by_name = {p.name: p for p in self.candidates}
         if self.device.type == "cuda":
@@ -487,14 +502,21 @@ class AutoPolicy:
             self._next_check = iteration + e if self.config.recheck_interval else None
 
     def _full_precision_gather_s(self) -> float:
-        """The model's time for one gather of the weights in their dtype across nodes: what the first iteration
-        after a switch to another weight scheme pays (measured: 750 ms for the make-train model at 100 Mbit/s on
-        Megatron-FSDP, against 600 ms from this). Same on every rank (the cluster is rank 0's, broadcast)."""
-        if self.cluster is None or self.nodes < 2:
+        """The model's time for one uncompressed gather of every weight bucket: what the first iteration after a
+        switch into qWD pays (its held copy starts from exact weights). Same on every rank (the cluster is rank
+        0's, broadcast)."""
+        from megatron_zpp.perfmodel import full_precision_weight_gather_s
+
+        return 0.0 if self.cluster is None else full_precision_weight_gather_s(self.cluster, self.workload)
+
+    def _switch_cost(self, name: str, into_qwd_s: float) -> float:
+        """One-off seconds of a switch from the running policy to ``name``: ``into_qwd_s`` for a switch into 4-bit
+        weight differences from another weight scheme (the full-precision gather that starts the held copy), 0
+        otherwise (a new INT8 or uncompressed scheme gathers as it always does; its hpZ copy fills on the way)."""
+        target, running = self.by_name[name], self.by_name.get(self.current)
+        if not target.param_difference or (running is not None and running.weight_scheme == target.weight_scheme):
             return 0.0
-        lay = self.workload.layout
-        weights = _total_params(self.workload) // (lay.tp * lay.pp) * lay.param_bytes
-        return self.cluster.inter_alpha + weights * (self.nodes - 1) / self.nodes / self.cluster.inter_bandwidth
+        return into_qwd_s
 
     def _iterations_left(self, iteration: int) -> float:
         """Iterations from ``iteration`` (included) to the end of the run, or to its next ``--exit-interval``
@@ -515,16 +537,14 @@ class AutoPolicy:
             return
         tried = [n for n in dict.fromkeys([*names, *self._measured]) if n in self.by_name]
         left = self._iterations_left(iteration)
-        scheme = self.by_name[self.current].weight_scheme if self.current in self.by_name else None
-        new_scheme_s = max(self.switch_cost_s, self._full_precision_gather_s())
+        into_qwd_s = max(self.switch_cost_s, self._full_precision_gather_s())
         keep = kept_after_exploring(self._measured, tried, self.current, self.config.explore_keep_margin,
-                                    switch_cost_s=lambda n: 0.0 if self.by_name[n].weight_scheme == scheme
-                                    else new_scheme_s, iterations_left=left)
+                                    switch_cost_s=lambda n: self._switch_cost(n, into_qwd_s), iterations_left=left)
         if self.rank == 0:
             self.log(f"[zpp auto] iteration {iteration}: measured ms per iteration: "
                      + ", ".join(f"{n} {self._measured[n] * 1e3:.0f}" for n in tried if n in self._measured)
-                     + f"; keeping {keep} (a switch to another weight scheme costs {new_scheme_s * 1e3:.0f} ms; "
-                     f"{left:g} iterations left)")
+                     + f"; keeping {keep} (a switch into 4-bit weight differences costs {into_qwd_s * 1e3:.0f} ms "
+                     f"once; {left:g} iterations left)")
         self.decisions.append({"iteration": iteration, "reason": "exploration measured", "inputs": {},
                                "predicted_s": {}, "choice": keep, "previous": self.current, "runner_up": None,
                                "margin": None, "measured_s": {n: self._measured.get(n) for n in tried}})
@@ -571,7 +591,10 @@ class AutoPolicy:
             predicted = dict(ranked)
             best = ranked[0][0]
             current = predicted.get(self.current, math.inf)
-            keep = not predicted[best] < current * (1 - self.config.hysteresis)
+            # past the hysteresis, and repaying its one-off cost (on the new link: the model's) before the run ends
+            cost = self._switch_cost(best, self._full_precision_gather_s())
+            keep = not (predicted[best] < current * (1 - self.config.hysteresis)
+                        and (current - predicted[best]) * self._iterations_left(iteration) > cost)
             return {"alpha": inter.alpha, "bandwidth": inter.bandwidth, "ranked": ranked,
                     "choice": self.current if keep else best}
 
@@ -605,11 +628,11 @@ class AutoPolicy:
         self.current = name
         self._switched_at = iteration
         self._steps = []
-        # Time the first iteration of a switch that changes the weight scheme (0.0 arms end()): its full-precision
-        # gather is the one-off cost a later switch would pay again. Not the warm-up's: that first iteration is the
-        # job's and carries its start-up.
-        new_scheme = old is None or old.weight_scheme != policy.weight_scheme
-        self._first_after_switch = 0.0 if reason != "warm-up" and new_scheme else -1.0
+        # Time the first iteration of a switch into qWD from another weight scheme (0.0 arms end()): its
+        # full-precision gather is the one-off cost a later such switch pays again. Not the warm-up's: that first
+        # iteration is the job's and carries its start-up.
+        into_qwd = policy.param_difference and (old is None or old.weight_scheme != policy.weight_scheme)
+        self._first_after_switch = 0.0 if reason != "warm-up" and into_qwd else -1.0
 
     def _index(self, name: str) -> int:
         return next((i for i, p in enumerate(self.candidates) if p.name == name), -1)
@@ -638,19 +661,23 @@ class AutoPolicy:
 
 def kept_after_exploring(measured: dict[str, float], tried: list[str], current: str, keep_margin: float, *,
                          switch_cost_s=0.0, iterations_left: float = math.inf) -> str:
-    """The policy an exploration keeps: the measured fastest of ``tried`` (the earlier-tried on equal times), unless
-    ``current``, the one running, measured within ``keep_margin`` of it or its gain per iteration, over
-    ``iterations_left``, does not repay the one-off cost of switching to it (``switch_cost_s``: seconds, or a
-    function of the policy name; a new weight scheme's first gather is a full-precision one)."""
+    """The policy an exploration keeps: the fastest of ``tried`` measured with its switch's one-off cost spread over
+    ``iterations_left`` (``switch_cost_s``: seconds, or a function of the policy name; none for ``current``, the one
+    running), the earlier-tried on equal times; ``current`` unless that one's net gain over it is more than
+    ``keep_margin`` of its step."""
     timed = [n for n in tried if math.isfinite(measured.get(n, math.nan))]
     if not timed:
         return current
-    best = min(timed, key=lambda n: (measured[n], tried.index(n)))
-    if current in timed:
-        gain = measured[current] - measured[best]
-        cost = switch_cost_s(best) if callable(switch_cost_s) else switch_cost_s
-        if gain <= keep_margin * measured[best] or gain * iterations_left <= cost:
-            return current
+
+    def net(n: str) -> float:
+        if n == current:
+            return measured[n]
+        cost = switch_cost_s(n) if callable(switch_cost_s) else switch_cost_s
+        return measured[n] + (cost / iterations_left if cost else 0.0)
+
+    best = min(timed, key=lambda n: (net(n), tried.index(n)))
+    if current in timed and measured[current] - net(best) <= keep_margin * measured[best]:
+        return current
     return best
 
 
