@@ -513,10 +513,7 @@ class AutoPolicy:
         """One-off seconds of a switch from the running policy to ``name``: ``into_qwd_s`` for a switch into 4-bit
         weight differences from another weight scheme (the full-precision gather that starts the held copy), 0
         otherwise (a new INT8 or uncompressed scheme gathers as it always does; its hpZ copy fills on the way)."""
-        target, running = self.by_name[name], self.by_name.get(self.current)
-        if not target.param_difference or (running is not None and running.weight_scheme == target.weight_scheme):
-            return 0.0
-        return into_qwd_s
+        return into_qwd_s if switches_into_qwd(self.by_name.get(self.current), self.by_name[name]) else 0.0
 
     def _iterations_left(self, iteration: int) -> float:
         """Iterations from ``iteration`` (included) to the end of the run, or to its next ``--exit-interval``
@@ -631,8 +628,7 @@ class AutoPolicy:
         # Time the first iteration of a switch into qWD from another weight scheme (0.0 arms end()): its
         # full-precision gather is the one-off cost a later such switch pays again. Not the warm-up's: that first
         # iteration is the job's and carries its start-up.
-        into_qwd = policy.param_difference and (old is None or old.weight_scheme != policy.weight_scheme)
-        self._first_after_switch = 0.0 if reason != "warm-up" and into_qwd else -1.0
+        self._first_after_switch = 0.0 if reason != "warm-up" and switches_into_qwd(old, policy) else -1.0
 
     def _index(self, name: str) -> int:
         return next((i for i, p in enumerate(self.candidates) if p.name == name), -1)
@@ -657,6 +653,12 @@ class AutoPolicy:
                 "switch_cost_s": self.switch_cost_s,
                 "calibration": self.measured_inputs.summary() if self.measured_inputs else None,
                 "candidates": [p.name for p in self.candidates]}
+
+
+def switches_into_qwd(running, target) -> bool:
+    """Whether going from ``running`` (None: unknown) to ``target`` starts 4-bit weight differences from another
+    weight scheme: the one switch with a one-off cost, a full-precision gather that starts the held copy."""
+    return bool(target.param_difference) and (running is None or running.weight_scheme != target.weight_scheme)
 
 
 def kept_after_exploring(measured: dict[str, float], tried: list[str], current: str, keep_margin: float, *,
