@@ -135,3 +135,22 @@ def exploration(parallel: list[str], iterations: int, share: float) -> dict:
                                        "--zpp-auto-explore-iters", "2", "--zpp-auto-explore-margin", "0.99",
                                        "--zpp-auto-explore-share", str(share), "--check-replica-weights"], log=_quiet)
     return {"auto": run["auto_policy"], "finite": run["finite"], "replica_check": run["replica_check"]}
+
+
+def guarded_exploration(parallel: list[str], iterations: int, spike_at: int) -> dict:
+    """:func:`exploration` (35% of the run for it) with the divergence guard on and the loss spiked x100 at
+    ``spike_at`` (faults.py): the guard's 3-iteration fallback lands inside the exploration's plan."""
+    import os
+
+    os.environ["ZPP_TEST_FAULT"] = f"spike:{spike_at}"
+    try:
+        run = pretrain(SMALL + parallel + ["--train-iters", str(iterations), "--zpp-policy", "auto",
+                                           "--zpp-auto-calibration-s", "1", "--zpp-auto-warmup-iters", "2",
+                                           "--zpp-auto-explore-iters", "2", "--zpp-auto-explore-margin", "0.99",
+                                           "--zpp-auto-explore-share", "0.35", "--zpp-divergence-guard",
+                                           "--zpp-divergence-fallback-iters", "3", "--zpp-divergence-min-history", "3",
+                                           "--check-replica-weights"], log=_quiet)
+    finally:
+        os.environ.pop("ZPP_TEST_FAULT", None)
+    return {"auto": run["auto_policy"], "guard": run["divergence_guard"], "finite": run["finite"],
+            "replica_check": run["replica_check"]}

@@ -17,7 +17,7 @@ from megatron_zpp.policy import ConfigError, ZppConfig, resolve_policy
 from megatron_zpp.policy.auto import (AutoPolicyConfig, add_auto_args, auto_config_from_args, candidates,
                                       model_parallel_codecs, parse_allow)
 from megatron_zpp.testing import run_distributed
-from megatron_zpp.training.auto_policy import kept_after_exploring
+from megatron_zpp.training.auto_policy import gradient_scheme, kept_after_exploring, runners_up
 
 DISTOPT_OVERLAP = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
 LAYOUTS = {
@@ -187,6 +187,44 @@ def test_exploration_fits_its_share_of_the_run_and_keeps_replicas_identical(shar
         assert r["finite"] and r["replica_check"]["mismatches"] == 0 and r["replica_check"]["uses_compared"] > 0
 
 
+@pytest.mark.parametrize("iterations", [20, 11])
+def test_the_guards_fallback_inside_an_exploration_postpones_it_and_keeps_replicas_identical(iterations):
+    """Auto and the divergence guard together: the loss spikes at iteration 6, inside the exploration that follows
+    the decision at 3, and the guard runs iterations 7-9 uncompressed. No switch of auto's, no decision and no
+    measured window falls inside the fallback; the exploration resumes after it and is judged once; every rank
+    takes the same steps; replicas identical at every use. 20 iterations: the runners-up left run after the
+    fallback, each on a window of its own. 11: the postponed judgement would fall past the run's end, so it comes
+    at the last iteration, nothing left untried runs, and the runner-up whose window the fallback took is not
+    kept."""
+    results = run_distributed(checks.guarded_exploration, 4, DISTOPT_OVERLAP, iterations, 6, ranks_per_node=2,
+                              timeout_s=600)
+    auto, guard = results[0]["auto"], results[0]["guard"]
+    same = repr  # NaN (a window the fallback emptied) never equals itself; its repr does
+    assert all(same(r["auto"]["decisions"]) == same(auto["decisions"]) and r["auto"]["switches"] == auto["switches"]
+               and r["guard"] == guard for r in results[1:])
+    print("\n" + "\n".join(f"{s['iteration']}: {s['reason']} -> {s['policy']}" for s in auto["switches"]))
+    assert guard["uncompressed_iterations"] == [7, 8, 9], guard
+    assert [d["iteration"] for d in auto["decisions"]][:2] == [1, 3]  # warm-up, then the decision before the spike
+    choice = auto["decisions"][1]["choice"]
+    assert not [s for s in auto["switches"] if 7 <= s["iteration"] <= 9], auto["switches"]
+    assert not [d for d in auto["decisions"] if 7 <= d["iteration"] <= 9], auto["decisions"]
+    tries = [s for s in auto["switches"] if s["reason"] == "exploring the runner-up"]
+    judged = [d for d in auto["decisions"] if d["reason"] == "exploration measured"]
+    assert len(judged) == 1 and tries and tries[0]["iteration"] == 5, (auto["switches"], auto["decisions"])
+    measured = judged[0]["measured_s"]
+    assert {t["policy"] for t in tries} | {choice} <= set(measured), measured
+    if iterations == 20:
+        assert len(tries) >= 2 and tries[-1]["iteration"] >= 10, auto["switches"]
+        assert judged[0]["iteration"] > tries[-1]["iteration"]
+        assert all(v is not None and math.isfinite(v) for v in measured.values()), measured
+    else:
+        assert len(tries) == 1 and judged[0]["iteration"] == 11, (tries, judged)
+        assert not math.isfinite(measured[tries[0]["policy"]]) and math.isfinite(measured[choice]), measured
+        assert math.isfinite(measured[judged[0]["choice"]])  # the kept one was measured
+    for r in results:
+        assert r["finite"] and r["replica_check"]["mismatches"] == 0 and r["replica_check"]["uses_compared"] > 0
+
+
 def test_auto_models_a_moe_job_with_its_experts_and_token_exchange():
     """A MoE job (Megatron-LM's flags, a --moe-layer-freq pattern) as auto's model sees it: its experts, top-k,
     expert FFN, MoE layer count, expert parallelism and dispatcher, so its candidates are priced with the expert
@@ -234,6 +272,28 @@ def test_auto_ranks_every_candidate_it_may_run_on_megatron_fsdp():
     assert {n for n, _ in ranked} == {p.name for p in runnable}  # none dropped
     assert dict(ranked)["sdp4bit"] < dict(ranked)["zeropp"]
     assert all(next(p for p in runnable if p.name == n).param_difference for n, _ in ranked[:2])
+
+
+def test_runners_up_differ_from_the_choice_in_gradients_first():
+    """The exploration's runners-up: within the margin, the best of each other gradient scheme comes first, then
+    the rest in predicted order. The ranking is auto's at Megatron-FSDP, 1 Gbit/s, rep1 of
+    docs/bench/2026-11-27-auto-both (its log lists the first six; all are the model's prediction on the cluster auto
+    wrote, cluster-fsdp-1gbit-rep1.yaml there). Its choice, qwd+hier, and auto's other picks in that cell ran 3-8%
+    slower than fixed zeropp; in predicted order the two runners-up would have been qwz+hier and qwd, both with
+    uncompressed gradients again."""
+    by_name = {p.name: p for p in candidates(parse_allow(AutoPolicyConfig().allow), zero_mode="fsdp", tp=1, pp=1,
+                                             ranks_per_node=2, nodes_ranks=2)}
+    ms = {"qwd+hier": 1242, "qwz+hier": 1244, "qwd": 1250, "qwz": 1251, "fair": 1256, "none": 1263, "qgz+qwd": 1269,
+          "zeropp": 1270, "sdp4bit": 1270, "qgz-h+qwz": 1272, "qgz": 1282, "qgz+hier": 1282, "qgz-h": 1283}
+    ranked = [(n, t / 1e3) for n, t in ms.items()]
+    got = runners_up(ranked, "qwd+hier", by_name, 0.05)
+    assert got[:2] == ["qgz+qwd", "sdp4bit"]  # qgZ's INT4, then the two-level Hadamard gradients
+    assert got[2:] == ["qwz+hier", "qwd", "qwz", "fair", "none", "zeropp", "qgz-h+qwz", "qgz", "qgz+hier", "qgz-h"]
+    assert len({gradient_scheme(by_name[n]) for n in ["qwd+hier", *got[:2]]}) == 3
+    assert runners_up(ranked, "qwd+hier", by_name, 0.002) == ["qwz+hier"]  # the margin still bounds them
+    # From zeropp (qgZ): the best with uncompressed gradients, then sdp4bit, then the rest in predicted order.
+    assert runners_up(ranked, "zeropp", by_name, 0.01) == ["qwd+hier", "sdp4bit", "qwz+hier", "qwd", "qwz", "fair",
+                                                           "none", "qgz+qwd", "qgz-h+qwz", "qgz", "qgz+hier"]
 
 
 def test_auto_leaves_out_a_policy_whose_held_copy_would_not_fit():

@@ -41,10 +41,10 @@ class AutoPolicyConfig:
     """After a re-measure, switch only to a policy predicted faster than the running one by more than this (and by
     enough to repay a switch into 4-bit weight differences before the run ends)."""
     explore_margin: float = 0.05
-    """When runners-up are predicted within this fraction of the choice, also run the closest two (once per
-    decision; with the best uncompressed one, see --zpp-auto-explore-baseline-margin; within
-    --zpp-auto-explore-share of the run) and keep the one measured fastest (at startup, the warm-up's measurement
-    counts too), subject to --zpp-auto-explore-keep-margin."""
+    """When runners-up are predicted within this fraction of the choice, also run two of them (once per decision;
+    the best of each other gradient scheme first, then the closest; with the best uncompressed one, see
+    --zpp-auto-explore-baseline-margin; within --zpp-auto-explore-share of the run) and keep the one measured
+    fastest (at startup, the warm-up's measurement counts too), subject to --zpp-auto-explore-keep-margin."""
     explore_baseline_margin: float = 0.3
     """Also run the best uncompressed candidate when the choice compresses and is predicted less than this fraction
     faster (the model underrates codec costs on fast links); 0: only the explore-margin runners-up."""

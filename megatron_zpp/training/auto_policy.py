@@ -22,8 +22,9 @@ boundary, never inside a step):
    rank's) against the model's prediction for the running policy, relative to that ratio when the choice was
    made. A drift beyond ``--zpp-auto-recheck-tolerance`` means the link changed: the inter-node link is measured
    again (cheaply) and the candidates re-ranked; another policy is taken only if predicted faster by more than
-   ``--zpp-auto-hysteresis``. When the runner-up is predicted within ``--zpp-auto-explore-margin``, it runs for
-   ``--zpp-auto-explore-iters`` iterations once per decision (the runners-up taking at most
+   ``--zpp-auto-hysteresis``. When runners-up are predicted within ``--zpp-auto-explore-margin``, two of them
+   (the best of each other gradient scheme first, :func:`runners_up`) and the best uncompressed candidate run for
+   ``--zpp-auto-explore-iters`` iterations each, once per decision (taking at most
    ``--zpp-auto-explore-share`` of the iterations left) and the measured fastest is kept (measured beats
    predicted), net of its switch's one-off cost spread over the iterations left (a switch into 4-bit weight
    differences starts from a full-precision gather), unless that net gain is within
@@ -236,6 +237,7 @@ class AutoPolicy:
         self._max_bytes = min(8 << 20, (args.ddp_bucket_size or 40_000_000) * 4 // max(1, self.world))
         self.current = START
         self.decisions: list[dict] = []
+        self.switches: list[dict] = []  # every switch taken: iteration, policy, reason (explorations' too)
         self.measured_inputs: Measured | None = None
         self.cluster = None
         self._steps: list[tuple[int, float, float]] = []  # (iteration, step s, compute s) this rank, since the last
@@ -246,7 +248,7 @@ class AutoPolicy:
         self.switch_cost_s = 0.0  # the largest one-off cost of a switch into qWD on this link (agreed over ranks)
         self._ratio0: float | None = None  # measured / predicted step of the running policy, when chosen
         self._measured: dict[str, float] = {}  # policy -> measured step s since the last (re-)measure
-        self._plan: list[tuple[int, str]] = []  # exploration: (iteration, "try NAME" | "judge CHOICE RUNNER")
+        self._plan: list[tuple[int, str]] = []  # exploration: (iteration, "try NAME" | "judge CHOICE NAME...")
         self._next_check: int | None = None
         self._decide_at = config.warmup_iters + 1
         self._in_fallback = False
@@ -343,6 +345,11 @@ class AutoPolicy:
             e = self.config.explore_iters
             shift = max(0, iteration + e - self._plan[0][0]) if self._plan else 0
             self._plan = [(it + shift, action) for it, action in self._plan]
+            last = iteration + self._iterations_left(iteration) - 1
+            if self._plan and self._plan[-1][0] > last:
+                # The shift pushed the judgement past the run's end: no runner-up left untried runs; what was
+                # measured is judged after a window of the policy running now (or at the last iteration).
+                self._plan = [(min(iteration + e, last), self._plan[-1][1])]
             if self._next_check is not None:
                 self._next_check = max(self._next_check + shift, iteration + e)
         if self.script:
@@ -455,7 +462,7 @@ class AutoPolicy:
                      {"warmup_step_s": step_s, "compute_s": compute_s, **view["inputs"]})
 
     def _decide(self, iteration: int, reason: str, ranked: list[tuple[str, float]], choice: str, inputs: dict) -> None:
-        """Log the decision, switch to ``choice`` and plan what follows: exploring the runner-up when the model
+        """Log the decision, switch to ``choice`` and plan what follows: exploring runners-up when the model
         cannot tell them apart, else a first window of the choice (its measured-to-predicted ratio is the
         reference later re-checks compare with)."""
         predicted = dict(ranked)
@@ -474,8 +481,7 @@ class AutoPolicy:
         self._switch(iteration, choice, reason)
         self._ratio0 = None
         e = self.config.explore_iters
-        close = [n for n, s in ranked if n != choice and s < predicted[choice] * (1 + self.config.explore_margin)]
-        close = close[:EXPLORE_MAX]
+        close = runners_up(ranked, choice, self.by_name, self.config.explore_margin)[:EXPLORE_MAX]
         # The best uncompressed candidate too, when the choice compresses and the model gives it a lead below
         # --zpp-auto-explore-baseline-margin: the model underrates codec and CPU costs on fast links
         # (docs/performance.md, "Does the model pick the fastest policy?"), and not compressing is the answer there.
@@ -622,6 +628,7 @@ class AutoPolicy:
             if self.rank == 0:
                 self.log(f"[zpp auto] iteration {iteration}: {self.current} -> {name} (script)")
         old = self.by_name.get(self.current)
+        self.switches.append({"iteration": iteration, "policy": name, "reason": reason})
         self.current = name
         self._switched_at = iteration
         self._steps = []
@@ -649,7 +656,8 @@ class AutoPolicy:
             self.log(f"[zpp auto] could not write the cluster YAML {path}: {e}")
 
     def summary(self) -> dict:
-        return {"decisions": self.decisions, "current": self.current, "overhead_s": self.overhead_s,
+        return {"decisions": self.decisions, "switches": self.switches, "current": self.current,
+                "overhead_s": self.overhead_s,
                 "switch_cost_s": self.switch_cost_s,
                 "calibration": self.measured_inputs.summary() if self.measured_inputs else None,
                 "candidates": [p.name for p in self.candidates]}
@@ -659,6 +667,28 @@ def switches_into_qwd(running, target) -> bool:
     """Whether going from ``running`` (None: unknown) to ``target`` starts 4-bit weight differences from another
     weight scheme: the one switch with a one-off cost, a full-precision gather that starts the held copy."""
     return bool(target.param_difference) and (running is None or running.weight_scheme != target.weight_scheme)
+
+
+def gradient_scheme(policy) -> tuple:
+    """What a policy sends for gradients: their codec and its intra-node hop (uncompressed, qgZ's INT4, sdp4bit's
+    INT8 then Hadamard INT4)."""
+    return policy.codecs["dp.grad"], policy.dp_grad_intra
+
+
+def runners_up(ranked: list[tuple[str, float]], choice: str, by_name: dict, margin: float) -> list[str]:
+    """The candidates predicted within ``margin`` of ``choice``: the best of each other gradient scheme first, then
+    the rest, in predicted order. Gradients are most of the bytes, and the misranking measured so far was on their
+    path: on Megatron-FSDP at 1 Gbit/s (docs/bench/2026-11-27-auto-both) it ranked its choice (uncompressed hierarchical
+    gradients, 4-bit weight differences) and five more candidates with uncompressed gradients ahead of every qgZ
+    one; fixed zeropp (qgZ, INT8 weights) ran 3-8% faster than auto."""
+    predicted = dict(ranked)
+    close = [n for n, s in ranked if n != choice and s < predicted[choice] * (1 + margin)]
+    seen, first = {gradient_scheme(by_name[choice])}, []
+    for n in close:
+        if gradient_scheme(by_name[n]) not in seen:
+            seen.add(gradient_scheme(by_name[n]))
+            first.append(n)
+    return first + [n for n in close if n not in first]
 
 
 def kept_after_exploring(measured: dict[str, float], tried: list[str], current: str, keep_margin: float, *,
