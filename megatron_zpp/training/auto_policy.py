@@ -22,17 +22,18 @@ boundary, never inside a step):
    rank's) against the model's prediction for the running policy, relative to that ratio when the choice was
    made. A drift beyond ``--zpp-auto-recheck-tolerance`` means the link changed: the inter-node link is measured
    again (cheaply) and the candidates re-ranked; another policy is taken only if predicted faster by more than
-   ``--zpp-auto-hysteresis``. When runners-up are predicted within ``--zpp-auto-explore-margin``, two of them
-   (the best of each other gradient scheme first, :func:`runners_up`) and the best uncompressed candidate run for
+   ``--zpp-auto-hysteresis``. When runners-up are predicted within ``--zpp-auto-explore-margin``, up to two of
+   them (the best of each other gradient scheme first, :func:`runners_up`; and the best uncompressed candidate
+   within ``--zpp-auto-explore-baseline-margin`` of a compressing choice) run for
    ``--zpp-auto-explore-iters`` iterations each, once per decision (taking at most
    ``--zpp-auto-explore-share`` of the iterations left) and the measured fastest is kept (measured beats
    predicted), net of its switch's one-off cost spread over the iterations left (a switch into 4-bit weight
    differences starts from a full-precision gather), unless that net gain is within
    ``--zpp-auto-explore-keep-margin`` of the policy running when the exploration ends.
 
-Every decision is a log line on rank 0 and a W&B event, with the measured inputs, each candidate's predicted step
-time, the choice and, at the next re-check, the choice's measured step time; ``summary()`` lists them (the same
-on every rank).
+Every decision after the warm-up is a log line on rank 0 and a W&B event, with the measured inputs, each
+candidate's predicted step time, the choice and, at its first window's end, the choice's measured step time;
+``summary()`` lists them and every switch taken (the same on every rank).
 """
 
 from __future__ import annotations
@@ -348,8 +349,10 @@ class AutoPolicy:
             last = iteration + self._iterations_left(iteration) - 1
             if self._plan and self._plan[-1][0] > last:
                 # The shift pushed the judgement past the run's end: no runner-up left untried runs; what was
-                # measured is judged after a window of the policy running now (or at the last iteration).
-                self._plan = [(min(iteration + e, last), self._plan[-1][1])]
+                # measured is judged after a window of the policy running now. With no timed iteration left for
+                # that window (this one carries the resync) the policy running now stays: a switch in the last
+                # iteration could not repay itself.
+                self._plan = [(min(iteration + e, last), self._plan[-1][1])] if last - iteration >= 2 else []
             if self._next_check is not None:
                 self._next_check = max(self._next_check + shift, iteration + e)
         if self.script:
@@ -457,6 +460,7 @@ class AutoPolicy:
         view = decide_on_rank0(choose, self.device)
         self.cluster = from_dict(ClusterSpec, view["fields"], "auto calibration")
         self._measured = {self.current: step_s}
+        self._note_measured(step_s)  # the warm-up pick's own window (not a later runner-up's of the same name)
         ranked = view["ranked"]
         self._decide(iteration, "startup calibration", ranked, ranked[0][0],
                      {"warmup_step_s": step_s, "compute_s": compute_s, **view["inputs"]})
@@ -532,8 +536,9 @@ class AutoPolicy:
 
     def _explore_step(self, iteration: int, action: str) -> None:
         step_s, _ = self._window()
-        self._measured[self.current] = step_s
-        self._note_measured(step_s)
+        if math.isfinite(step_s):  # an empty window (the guard's fallback took it) measures nothing
+            self._measured[self.current] = step_s
+            self._note_measured(step_s)
         verb, *names = action.split(" ")
         if verb == "try":
             self._switch(iteration, names[0], "exploring the runner-up")
@@ -556,7 +561,7 @@ class AutoPolicy:
         self._ratio0 = None
 
     def _note_measured(self, step_s: float) -> None:
-        """The running choice's measured step time, on its decision (once) and in W&B."""
+        """The running choice's measured step time, on its decision (once)."""
         for d in reversed(self.decisions):
             if d.get("choice") == self.current and d.get("measured_s") is None and d["reason"] != "script":
                 d["measured_s"] = step_s
@@ -564,8 +569,9 @@ class AutoPolicy:
 
     def _recheck(self, iteration: int) -> None:
         step_s, _ = self._window()
-        self._measured[self.current] = step_s
-        self._note_measured(step_s)
+        if math.isfinite(step_s):
+            self._measured[self.current] = step_s
+            self._note_measured(step_s)
         self._wandb({"zpp/auto_measured_s": step_s}, iteration)
         self._next_check = iteration + self.config.recheck_interval
         def judge():
