@@ -346,7 +346,7 @@ class AutoPolicy:
             e = self.config.explore_iters
             shift = max(0, iteration + e - self._plan[0][0]) if self._plan else 0
             self._plan = [(it + shift, action) for it, action in self._plan]
-            last = iteration + self._iterations_left(iteration) - 1
+            last = self._last_iteration(iteration)
             if self._plan and self._plan[-1][0] > last:
                 # The shift pushed the judgement past the run's end: no runner-up left untried runs; what was
                 # measured is judged after a window of the policy running now. With no timed iteration left for
@@ -459,7 +459,7 @@ class AutoPolicy:
 
         view = decide_on_rank0(choose, self.device)
         self.cluster = from_dict(ClusterSpec, view["fields"], "auto calibration")
-        self._measured = {self.current: step_s}
+        self._measured = {}
         self._note_measured(step_s)  # the warm-up pick's own window (not a later runner-up's of the same name)
         ranked = view["ranked"]
         self._decide(iteration, "startup calibration", ranked, ranked[0][0],
@@ -525,20 +525,22 @@ class AutoPolicy:
         otherwise (a new INT8 or uncompressed scheme gathers as it always does; its hpZ copy fills on the way)."""
         return into_qwd_s if switches_into_qwd(self.by_name.get(self.current), self.by_name[name]) else 0.0
 
-    def _iterations_left(self, iteration: int) -> float:
-        """Iterations from ``iteration`` (included) to the end of the run, or to its next ``--exit-interval``
+    def _last_iteration(self, iteration: int) -> float:
+        """The run's last iteration as seen from ``iteration``: --train-iters, or the next ``--exit-interval``
         boundary (the trainer always has ``--train-iters``)."""
         end = getattr(self.args, "train_iters", None) or math.inf
         exit_interval = getattr(self.args, "exit_interval", None)
         if exit_interval:
             end = min(end, (iteration + exit_interval - 1) // exit_interval * exit_interval)
-        return end - iteration + 1
+        return end
+
+    def _iterations_left(self, iteration: int) -> float:
+        """Iterations from ``iteration`` (included) to :meth:`_last_iteration`."""
+        return self._last_iteration(iteration) - iteration + 1
 
     def _explore_step(self, iteration: int, action: str) -> None:
         step_s, _ = self._window()
-        if math.isfinite(step_s):  # an empty window (the guard's fallback took it) measures nothing
-            self._measured[self.current] = step_s
-            self._note_measured(step_s)
+        self._note_measured(step_s)
         verb, *names = action.split(" ")
         if verb == "try":
             self._switch(iteration, names[0], "exploring the runner-up")
@@ -561,7 +563,11 @@ class AutoPolicy:
         self._ratio0 = None
 
     def _note_measured(self, step_s: float) -> None:
-        """The running choice's measured step time, on its decision (once)."""
+        """The running policy's measured step time: kept for the judge and, once, on its decision. An empty window
+        (the guard's fallback took it) measures nothing."""
+        if not math.isfinite(step_s):
+            return
+        self._measured[self.current] = step_s
         for d in reversed(self.decisions):
             if d.get("choice") == self.current and d.get("measured_s") is None and d["reason"] != "script":
                 d["measured_s"] = step_s
@@ -569,9 +575,7 @@ class AutoPolicy:
 
     def _recheck(self, iteration: int) -> None:
         step_s, _ = self._window()
-        if math.isfinite(step_s):
-            self._measured[self.current] = step_s
-            self._note_measured(step_s)
+        self._note_measured(step_s)
         self._wandb({"zpp/auto_measured_s": step_s}, iteration)
         self._next_check = iteration + self.config.recheck_interval
         def judge():
@@ -691,8 +695,9 @@ def runners_up(ranked: list[tuple[str, float]], choice: str, by_name: dict, marg
     close = [n for n, s in ranked if n != choice and s < predicted[choice] * (1 + margin)]
     seen, first = {gradient_scheme(by_name[choice])}, []
     for n in close:
-        if gradient_scheme(by_name[n]) not in seen:
-            seen.add(gradient_scheme(by_name[n]))
+        scheme = gradient_scheme(by_name[n])
+        if scheme not in seen:
+            seen.add(scheme)
             first.append(n)
     return first + [n for n in close if n not in first]
 
