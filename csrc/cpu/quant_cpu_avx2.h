@@ -244,11 +244,13 @@ inline void block_scales(const float* absmax_of, int nonfinite_mask, int bits, f
 
 // Quantize g <= 8 consecutive full blocks of `block` values (a multiple of 32) of one row: their
 // scales to scales_out[0..g) (unaligned fp32), their codes to data. The blocks' absmax come first,
-// then their scales (block_scales), then the codes. `absmax_fn` and `codes_fn` are a vector width's
-// absmax and quantize_nearest (this header's, or quant_cpu_avx512.h's).
-template <typename T, typename AbsmaxFn, typename CodesFn>
+// then their scales (block_scales), then `prepare_fn(scale_of, inverse_of)` (per-block constants of the
+// code loop, all g blocks' at once), then the codes, `codes_fn(j, x_j, block, bits, scale, inverse, data_j)`
+// for block j. `absmax_fn` and `codes_fn` are a vector width's absmax and code loop (this header's, or
+// quant_cpu_avx512.h's).
+template <typename T, typename AbsmaxFn, typename PrepareFn, typename CodesFn>
 inline void quantize_full_blocks_with(const T* x, int64_t g, int64_t block, int bits, uint8_t* scales_out,
-                                      uint8_t* data, AbsmaxFn absmax_fn, CodesFn codes_fn) {
+                                      uint8_t* data, AbsmaxFn absmax_fn, PrepareFn prepare_fn, CodesFn codes_fn) {
   alignas(32) float absmax_of[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   alignas(32) float scale_of[8], inverse_of[8];
   int nonfinite_mask = 0;
@@ -260,13 +262,14 @@ inline void quantize_full_blocks_with(const T* x, int64_t g, int64_t block, int 
   }
   block_scales(absmax_of, nonfinite_mask, bits, scale_of, inverse_of);
   std::memcpy(scales_out, scale_of, 4 * g);
+  prepare_fn(static_cast<const float*>(scale_of), static_cast<const float*>(inverse_of));
   const int64_t block_bytes = block * bits / 8;
   for (int64_t j = 0; j < g; ++j) {
     uint8_t* d = data + j * block_bytes;
     if (!scale_is_usable(scale_of[j])) {  // zero block (exact) or non-finite block (decodes NaN)
       std::memset(d, 0, block_bytes);
     } else {
-      codes_fn(x + j * block, block, bits, scale_of[j], inverse_of[j], d);
+      codes_fn(j, x + j * block, block, bits, scale_of[j], inverse_of[j], d);
     }
   }
 }
@@ -275,7 +278,8 @@ template <typename T>
 inline void quantize_full_blocks(const T* x, int64_t g, int64_t block, int bits, uint8_t* scales_out, uint8_t* data) {
   quantize_full_blocks_with(
       x, g, block, bits, scales_out, data, [](const T* v, int64_t n, bool* nf) { return absmax(v, n, nf); },
-      [](const T* v, int64_t n, int b, float s, float inv, uint8_t* d) { quantize_nearest(v, n, b, s, inv, d); });
+      [](const float*, const float*) {},
+      [](int64_t, const T* v, int64_t n, int b, float s, float inv, uint8_t* d) { quantize_nearest(v, n, b, s, inv, d); });
 }
 
 // 8 codes as fp32, starting at element i of the block's data (INT4: i a multiple of 8).
