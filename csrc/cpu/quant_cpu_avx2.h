@@ -294,6 +294,19 @@ inline __m256 codes8(const uint8_t* data, int64_t i, int bits) {
   return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_sllv_epi32(_mm256_set1_epi32(static_cast<int>(w)), to_top), 28));
 }
 
+// Asks for the data of elements [e, stop) of every row kPrefetchBytes ahead of where the sums read it.
+// Why: with four or more rows the hardware prefetchers lose track of the streams at some sizes: the fused
+// dequant-reduce-quantize of 4 INT8 rows ran at 12 GB/s from 8M to 31M elements and at 33 GB/s from 32M
+// on (2 threads, rows cold in cache), and a single thread was twice as slow at 24M as at 32M in absolute time.
+// With these prefetches every size runs at about 30 GB/s. 512 bytes measured best of 512 to 4096. (A hint
+// only: it never faults, past the end of a row either.)
+constexpr int64_t kPrefetchBytes = 512;
+inline void prefetch_ahead(const uint8_t* const* rows, int64_t chunks, int64_t nb, int bits, int64_t e, int64_t stop) {
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int64_t off = e * bits / 8; off < stop * bits / 8; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rows[c] + 4 * nb + off + kPrefetchBytes), _MM_HINT_T0);
+}
+
 // acc[0..n) = the sum over C packed rows of their decoded elements [e0, e0 + n), in row order from
 // 0.0f as the reference sums (acc = 0; acc = acc + q_c * s_c): the running sum stays in a register
 // instead of making C passes over acc. rows[c] is row c's start; e0, n and block multiples of 8, so
@@ -304,6 +317,7 @@ inline void reduce_rows(const uint8_t* const* rows, int64_t chunks, int64_t leng
   for (int64_t e = e0; e < e0 + n;) {
     const int64_t k = e / block;
     const int64_t stop = std::min(e0 + n, (k + 1) * block);
+    prefetch_ahead(rows, chunks, nb, bits, e, stop);
     for (int64_t i = e; i < stop; i += 8) {
       __m256 sum = _mm256_setzero_ps();
       for (int64_t c = 0; c < chunks; ++c) {

@@ -16,6 +16,9 @@
 // hadamard_range; the codes by ReciprocalCodes' proof, or by the division where that proof does not
 // apply). No FMA. tests/test_kernels.py checks this level against the reference wherever the CPU has it.
 
+#ifndef ZPP_PF
+#define ZPP_PF 4096
+#endif
 namespace avx512 {
 
 // ---- 16 input values widened to fp32, in element order ----
@@ -278,6 +281,7 @@ inline void reduce_rows(const uint8_t* const* rows, int64_t chunks, int64_t leng
   for (int64_t e = e0; e < e0 + n;) {
     const int64_t k = e / block;
     const int64_t stop = std::min(e0 + n, (k + 1) * block);
+    avx2::prefetch_ahead(rows, chunks, nb, bits, e, stop);
     for (int64_t i = e; i < stop; i += 16) {
       __m512 sum = _mm512_setzero_ps();
       for (int64_t c = 0; c < chunks; ++c) {
