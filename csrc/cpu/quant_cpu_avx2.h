@@ -295,11 +295,13 @@ inline __m256 codes8(const uint8_t* data, int64_t i, int bits) {
 }
 
 // Asks for the data of elements [e, stop) of every row kPrefetchBytes ahead of where the sums read it.
-// Why: with four or more rows the hardware prefetchers lose track of the streams at some sizes: the fused
-// dequant-reduce-quantize of 4 INT8 rows ran at 12 GB/s from 8M to 31M elements and at 33 GB/s from 32M
-// on (2 threads, rows cold in cache), and a single thread was twice as slow at 24M as at 32M in absolute time.
-// With these prefetches every size runs at about 30 GB/s. 512 bytes measured best of 512 to 4096. (A hint
-// only: it never faults, past the end of a row either.)
+// Why: on this project's VM (AMD Zen 5) the hardware prefetchers lose track of three or more row streams when
+// the rows are shorter than 8M values, whatever their alignment: the fused dequant-reduce-quantize of 4 INT8
+// rows ran at 6-8 GB/s on one thread with rows of 1M-6M values and at 15-17 GB/s with rows of 8M-16M (rows
+// cold in cache). With these prefetches every row length runs at 15-17 GB/s. Where the hardware keeps up (rows
+// of 16M, cold) they cost 10-18%; rows of a few million values are the common case (a 40M-element gradient
+// bucket over 8 ranks of a node gives rows of 5M). 512 bytes measured best of 512 to 4096, and the T1 and NTA
+// hints no better. (A hint only: it never faults, past the end of a row either.)
 constexpr int64_t kPrefetchBytes = 512;
 inline void prefetch_ahead(const uint8_t* const* rows, int64_t chunks, int64_t nb, int bits, int64_t e, int64_t stop) {
   for (int64_t c = 0; c < chunks; ++c)
