@@ -274,12 +274,90 @@ inline void quantize_full_blocks_with(const T* x, int64_t g, int64_t block, int 
   }
 }
 
+// ---- INT4 codes of 16-bit values by comparison with the block's exact code boundaries ----
+// quant_cpu_avx512.h's Int4Thresholds (its reasoning, its proof) at 8 lanes. Two differences: AVX2 has no
+// embedded rounding, so s * mid_j is rounded to a float by the default mode (nearest) and stepped up one float
+// where it came out below (it never is a float itself, so that is the float above it); and a lookup of index 8
+// wraps to lane 0, which holds +inf for it.
+struct Int4Thresholds {
+  __m256 table;    // lane 0: +inf (looked up as index 8); lanes 1..7: T_1..T_7
+  __m256 inv_low;  // fl(fl(1 / s) * (1 - 2^-20)), broadcast
+  Int4Thresholds() = default;
+  Int4Thresholds(float s, float inverse_scale) {
+    const __m256d sd = _mm256_set1_pd(static_cast<double>(s));
+    const __m256d d_lo = _mm256_mul_pd(sd, _mm256_setr_pd(1.0, 0.5 + 0x1p-25, 1.5 - 0x1p-24, 2.5 + 0x1p-23));
+    const __m256d d_hi = _mm256_mul_pd(sd, _mm256_setr_pd(3.5 - 0x1p-23, 4.5 + 0x1p-22, 5.5 - 0x1p-22, 6.5 + 0x1p-22));
+    table = _mm256_blend_ps(_mm256_set_m128(up(d_hi), up(d_lo)), _mm256_set1_ps(std::numeric_limits<float>::infinity()), 0x01);
+    inv_low = _mm256_set1_ps(inverse_scale * (1.0f - 0x1p-20f));
+  }
+  // The least float above each of 4 doubles that are not floats themselves.
+  static __m128 up(__m256d d) {
+    const __m128 nearest = _mm256_cvtpd_ps(d);
+    const __m256i below = _mm256_castpd_si256(_mm256_cmp_pd(_mm256_cvtps_pd(nearest), d, _CMP_LT_OQ));
+    const __m128i below32 = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(below, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6)));
+    return _mm_castsi128_ps(_mm_sub_epi32(_mm_castps_si128(nearest), below32));  // + 1 ulp where below (all > 0)
+  }
+  static bool applies(float s) { return s >= 0x1p-120f; }
+  // int32 codes of 8 values (|x| <= the block's absmax, finite): e = rne(|x| * inv_low) is the code of |x| or
+  // one less (quant_cpu_avx512.h), so the code is e + [|x| >= T_(e+1)].
+  __m256i operator()(__m256 x) const {
+    const __m256 ax = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+    const __m256i e = _mm256_cvtps_epi32(_mm256_mul_ps(ax, inv_low));  // nearest even: MXCSR's default mode
+    const __m256i next = _mm256_add_epi32(e, _mm256_set1_epi32(1));
+    const __m256 t = _mm256_permutevar8x32_ps(table, next);
+    const __m256i code = _mm256_sub_epi32(e, _mm256_castps_si256(_mm256_cmp_ps(ax, t, _CMP_GE_OQ)));  // - (-1)
+    return _mm256_sign_epi32(code, _mm256_castps_si256(x));  // negated for x < 0 (-0.0 too: its code is 0)
+  }
+};
+
+// INT4 codes of n values (a multiple of 32) of a block, by its thresholds.
+template <typename T>
+inline void quantize_int4(const T* x, int64_t n, const Int4Thresholds& codes, uint8_t* data) {
+  for (int64_t i = 0; i < n; i += 32) {
+    __m256 v[4];
+    load32(x + i, v);
+    const __m256i q = pack32_int8<kInterleaved<T>>(codes(v[0]), codes(v[1]), codes(v[2]), codes(v[3]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(data + i / 2), pack32_int4(q));
+  }
+}
+
+// g <= 8 full INT4 blocks of 16-bit values: their thresholds first, all g of them (their latency overlaps).
+template <typename T, typename AbsmaxFn, typename ThresholdsT, typename Int4Fn, typename NearestFn>
+inline void quantize_int4_blocks_with(const T* x, int64_t g, int64_t block, uint8_t* scales_out, uint8_t* data,
+                                      AbsmaxFn absmax_fn, ThresholdsT* thresholds, Int4Fn int4_fn,
+                                      NearestFn nearest_fn) {
+  quantize_full_blocks_with(
+      x, g, block, 4, scales_out, data, absmax_fn,
+      [&](const float* scale_of, const float* inverse_of) {
+        for (int64_t j = 0; j < g; ++j)
+          if (ThresholdsT::applies(scale_of[j])) thresholds[j] = ThresholdsT(scale_of[j], inverse_of[j]);
+      },
+      [&](int64_t j, const T* v, int64_t n, int b, float s, float inv, uint8_t* d) {
+        if (ThresholdsT::applies(s)) return int4_fn(v, n, thresholds[j], d);
+        nearest_fn(v, n, b, s, inv, d);  // a tiny scale: the division
+      });
+}
+
+// g <= 8 full blocks. INT4 blocks of 16-bit values by their thresholds; fp32 values (inputs, Hadamard-rotated
+// blocks, the fused ops' sums) by the reciprocal, which is the cheaper loop for them (quant_cpu_avx512.h).
 template <typename T>
 inline void quantize_full_blocks(const T* x, int64_t g, int64_t block, int bits, uint8_t* scales_out, uint8_t* data) {
-  quantize_full_blocks_with(
-      x, g, block, bits, scales_out, data, [](const T* v, int64_t n, bool* nf) { return absmax(v, n, nf); },
-      [](const float*, const float*) {},
-      [](int64_t, const T* v, int64_t n, int b, float s, float inv, uint8_t* d) { quantize_nearest(v, n, b, s, inv, d); });
+  const auto absmax_fn = [](const T* v, int64_t n, bool* nf) { return absmax(v, n, nf); };
+  const auto nearest = [](const T* v, int64_t n, int b, float s, float inv, uint8_t* d) {
+    quantize_nearest(v, n, b, s, inv, d);
+  };
+  if constexpr (!std::is_same_v<T, float>) {
+    if (bits == 4) {
+      Int4Thresholds thresholds[8];
+      return quantize_int4_blocks_with(
+          x, g, block, scales_out, data, absmax_fn, thresholds,
+          [](const T* v, int64_t n, const Int4Thresholds& t, uint8_t* d) { quantize_int4(v, n, t, d); }, nearest);
+    }
+  }
+  quantize_full_blocks_with(x, g, block, bits, scales_out, data, absmax_fn, [](const float*, const float*) {},
+                            [&](int64_t, const T* v, int64_t n, int b, float s, float inv, uint8_t* d) {
+                              nearest(v, n, b, s, inv, d);
+                            });
 }
 
 // 8 codes as fp32, starting at element i of the block's data (INT4: i a multiple of 8).

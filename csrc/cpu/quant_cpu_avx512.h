@@ -234,45 +234,29 @@ inline void quantize_int4(const T* x, int64_t n, const Int4Thresholds& codes, ui
   }
 }
 
-// g <= 8 full INT4 blocks of 16-bit values: their thresholds first, all g of them (they are independent:
-// their latency overlaps, where one block's thresholds right before its codes measured 20% slower at block 128).
-template <typename T, typename AbsmaxFn>
-inline void quantize_int4_blocks(const T* x, int64_t g, int64_t block, uint8_t* scales_out, uint8_t* data,
-                                 AbsmaxFn absmax_fn) {
-  const int bits = 4;
-  Int4Thresholds thresholds[8];
-  avx2::quantize_full_blocks_with(
-      x, g, block, bits, scales_out, data, absmax_fn,
-      [&](const float* scale_of, const float* inverse_of) {
-        for (int64_t j = 0; j < g; ++j)
-          if (Int4Thresholds::applies(scale_of[j])) thresholds[j] = Int4Thresholds(scale_of[j], inverse_of[j]);
-      },
-      [&](int64_t j, const T* v, int64_t n, int b, float s, float inv, uint8_t* d) {
-        if (Int4Thresholds::applies(s)) return quantize_int4(v, n, thresholds[j], d);
-        quantize_nearest(v, n, b, s, inv, d);  // a tiny scale: the division
-      });
-}
-
 // avx2::quantize_full_blocks at 16 lanes: g <= 8 full blocks of `block` values (a multiple of 32). INT4 blocks
-// of 16-bit values by their thresholds (quantize_int4_blocks). fp32 values (inputs, Hadamard-rotated blocks,
-// the fused ops' sums) keep the reciprocal: they are near a tie in 0.4% of groups, and there its loop is the
-// cheaper one (INT4 quantize with Hadamard smoothing 6-10% faster, measured).
+// of 16-bit values by their thresholds. fp32 values (inputs, Hadamard-rotated blocks, the fused ops' sums) keep
+// the reciprocal: they are near a tie in 0.4% of groups, and there its loop is the cheaper one (INT4 quantize
+// with Hadamard smoothing 6-10% faster, measured); the fp32 instance has no threshold code at all (with it, its
+// INT4 quantize measured 8% slower).
 template <typename T>
 inline void quantize_full_blocks(const T* x, int64_t g, int64_t block, int bits, uint8_t* scales_out, uint8_t* data) {
   const auto absmax_fn = [](const T* v, int64_t n, bool* nf) { return absmax(v, n, nf); };
-  const auto nearest = [](int64_t, const T* v, int64_t n, int b, float s, float inv, uint8_t* d) {
+  const auto nearest = [](const T* v, int64_t n, int b, float s, float inv, uint8_t* d) {
     quantize_nearest(v, n, b, s, inv, d);
   };
-  if constexpr (std::is_same_v<T, float>) {  // (the fp32 instance has no threshold code at all)
-    avx2::quantize_full_blocks_with(x, g, block, bits, scales_out, data, absmax_fn, [](const float*, const float*) {},
-                                    nearest);
-  } else {
-    if (bits != 4) {
-      return avx2::quantize_full_blocks_with(x, g, block, bits, scales_out, data, absmax_fn,
-                                             [](const float*, const float*) {}, nearest);
+  if constexpr (!std::is_same_v<T, float>) {
+    if (bits == 4) {
+      Int4Thresholds thresholds[8];
+      return avx2::quantize_int4_blocks_with(
+          x, g, block, scales_out, data, absmax_fn, thresholds,
+          [](const T* v, int64_t n, const Int4Thresholds& t, uint8_t* d) { quantize_int4(v, n, t, d); }, nearest);
     }
-    quantize_int4_blocks(x, g, block, scales_out, data, absmax_fn);
   }
+  avx2::quantize_full_blocks_with(x, g, block, bits, scales_out, data, absmax_fn, [](const float*, const float*) {},
+                                  [&](int64_t, const T* v, int64_t n, int b, float s, float inv, uint8_t* d) {
+                                    nearest(v, n, b, s, inv, d);
+                                  });
 }
 
 // 16 codes as fp32, starting at element i of a block's data (i a multiple of 16): avx2::codes8 at 16 lanes.
