@@ -397,6 +397,25 @@ inline void reduce_rows(const uint8_t* const* rows, int64_t chunks, int64_t leng
   for (int64_t e = e0; e < e0 + n;) {
     const int64_t k = e / block;
     const int64_t stop = std::min(e0 + n, (k + 1) * block);
+    if (bits == 8) {
+      // INT8 row by row over the block, the running sums in acc (L1): the rows are then read in runs of
+      // the block's bytes, which the hardware prefetchers follow at every row length. At this level the
+      // prefetches below cost INT8 more than these extra loads and stores (4 rows of 16M values, cold, 2
+      // threads: 22.8 GB/s with them, 25.5 row by row; rows of 4M: 20.5 and 21.4, alternating runs). INT4
+      // row by row measured 25-35% slower (half the bytes per run, the same loads and stores of acc), so it
+      // keeps the sums in registers and the prefetches.
+      for (int64_t c = 0; c < chunks; ++c) {
+        float s;
+        std::memcpy(&s, rows[c] + 4 * k, 4);
+        const __m256 sv = _mm256_set1_ps(s);
+        for (int64_t i = e; i < stop; i += 8) {
+          const __m256 prev = c == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + (i - e0));
+          _mm256_storeu_ps(acc + (i - e0), _mm256_add_ps(prev, _mm256_mul_ps(codes8(rows[c] + 4 * nb, i, 8), sv)));
+        }
+      }
+      e = stop;
+      continue;
+    }
     prefetch_ahead(rows, chunks, nb, bits, e, stop);
     for (int64_t i = e; i < stop; i += 8) {
       __m256 sum = _mm256_setzero_ps();
