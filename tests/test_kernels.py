@@ -5,6 +5,7 @@ import itertools
 import math
 import os
 import platform
+import re
 
 import pytest
 import torch
@@ -612,6 +613,10 @@ def test_extension_is_portable_and_never_contracts_to_fma():
         vex = sorted(f for f, insns in functions.items() if not any(n in f for n in leveled)
                      and any(i.startswith("v") and "mm" in i for i in insns))
         assert not vex, f"AVX instructions outside the per-level loops in {path}: {vex[:5]}"
+        # The AVX2 level must not use AVX-512 (zmm registers, mask registers %k0-%k7): it runs on CPUs without it.
+        avx512_in_v3 = sorted(f for f, insns in functions.items() if "isa_x86_64_v3" in f
+                              and any("%zmm" in i or re.search(r"%k[0-7]\b", i) for i in insns))
+        assert not avx512_in_v3, f"AVX-512 instructions in the x86-64-v3 loops of {path}: {avx512_in_v3[:5]}"
         assert any("isa_x86_64_v4" in f for f in functions), "the AVX-512 loops are missing"
 
 
@@ -998,8 +1003,8 @@ def _every_16bit_value_below(absmax: torch.Tensor, dtype, binades: int = 5) -> t
 @pytest.mark.parametrize("cpu_isa", CPU_ISAS, indirect=True)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_int4_codes_of_every_16bit_value_near_the_thresholds_match_the_division(cpu_isa, dtype):
-    """INT4 at x86-64-v4 takes each block's seven code boundaries exactly and compares the values with them
-    (quant_cpu_avx512.h, Int4Thresholds) instead of dividing. For a 16-bit input the boundaries can be checked
+    """INT4 of 16-bit values at x86-64-v3 and v4 takes each block's seven code boundaries exactly and compares
+    the values with them (quant_cpu_avx512.h and quant_cpu_avx2.h, Int4Thresholds) instead of dividing. For a 16-bit input the boundaries can be checked
     exhaustively: for absmax of every significand in a binade (and a few binades apart, down to the scales where
     the thresholds stop applying), every value from absmax down past the lowest boundary (absmax / 14), both
     signs, gives the reference's bytes. 16-bit values sit on INT4's ties by themselves (absmax / 2 gives
@@ -1035,13 +1040,32 @@ def test_the_widest_cpu_level_runs_here_or_says_why():
     assert torch.ops.megatron_zpp._cpu_isa() == "x86-64-v4"  # the default picks the widest level
 
 
+def fused_case(bits: int, block: int, rows: int, length: int) -> None:
+    """dequant_reduce_quantize_ and dequant_reduce_ on 3 chunks of `rows` rows of `length` values: kernel == reference."""
+    chunks = 3
+    x = sample(chunks * rows * length, torch.float32, "cpu", nonfinite=True)
+    packed = ops.quantize(x, bits, block, rows=chunks * rows).view(chunks, rows, -1)
+    for hadamard in (0, 8):
+        rb_out = layout.row_bytes(length, bits, block)
+        got, want = (torch.empty(rows, rb_out, dtype=torch.uint8) for _ in range(2))
+        for out, backend in ((got, "kernel"), (want, "reference")):
+            ops.dequant_reduce_quantize_(packed, out, length, bits, block, bits, block, hadamard_out=hadamard,
+                                         backend=backend)
+        assert torch.equal(got, want), ("deq_red_quant", bits, block, rows, length, hadamard)
+        got, want = (torch.empty(rows * length, dtype=torch.bfloat16) for _ in range(2))
+        for out, backend in ((got, "kernel"), (want, "reference")):
+            ops.dequant_reduce_(packed, out, bits, block, 3.0, hadamard=hadamard, backend=backend)
+        assert float_diff(got, want) == 0, ("deq_reduce", bits, block, rows, length, hadamard)
+
+
 @pytest.mark.parametrize("cpu_isa", CPU_ISAS, indirect=True)
 def test_tasks_that_split_a_row_and_vector_sized_last_blocks_match_reference(cpu_isa):
     """Paths the small cases above do not reach. (1) Rows long enough that at::parallel_for splits one row
     between tasks (3 threads): the vector loop quantizes up to 8 blocks at once and must stop at a task's end
     and carry (row, block) on, with and without the qgZ reorder. (2) A partial last block whose length is a
     multiple of 32 (block 64 with a 32-value tail, block 40 with a 32-value tail), which takes the vector loop
-    alone."""
+    alone. (3) The fused ops on such rows: they sum and quantize up to 8 output blocks per step, which must stop
+    at a row's and a task's end, with a partial last block, plain and with the Hadamard rotation."""
     previous = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
@@ -1060,6 +1084,7 @@ def test_tasks_that_split_a_row_and_vector_sized_last_blocks_match_reference(cpu
                     ops.reorder_quantize_(x, got, bits, block, nodes, node_size, 1, backend="kernel")
                     ops.reorder_quantize_(x, want, bits, block, nodes, node_size, 1, backend="reference")
                     assert torch.equal(got, want), ("reorder", bits, block, rows, length, dtype)
+            fused_case(bits, block, rows, length)
     finally:
         torch.set_num_threads(previous)
 

@@ -15,7 +15,8 @@
 // and a truncating convert of a value that is already an integer. The one exception is the code of
 // x / scale, which quantize_nearest gets from a multiply by the reciprocal and a rounding convert
 // where that provably gives the same integer, and from the division itself everywhere else (the
-// proof is at ReciprocalCodes). Like the scalar code and the reference, this assumes the default
+// proof is at ReciprocalCodes); INT4 codes of 16-bit values come from a comparison with the block's
+// exact code boundaries instead (Int4Thresholds; the proof is at quant_cpu_avx512.h's). Like the scalar code and the reference, this assumes the default
 // rounding mode, round to nearest even (MXCSR.RC = 0; torch never changes it): under a directed
 // mode the levels may differ from each other, as the reference differs from both. No FMA: -ffp-contract=off holds for
 // intrinsics too, and each mul/add here is a separate intrinsic. The widenings are exact: bf16 is
@@ -297,7 +298,7 @@ struct Int4Thresholds {
     const __m128i below32 = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(below, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6)));
     return _mm_castsi128_ps(_mm_sub_epi32(_mm_castps_si128(nearest), below32));  // + 1 ulp where below (all > 0)
   }
-  static bool applies(float s) { return s >= 0x1p-120f; }
+  static bool applies(float s) { return s >= 0x1p-120f; }  // why: quant_cpu_avx512.h's
   // int32 codes of 8 values (|x| <= the block's absmax, finite): e = rne(|x| * inv_low) is the code of |x| or
   // one less (quant_cpu_avx512.h), so the code is e + [|x| >= T_(e+1)].
   __m256i operator()(__m256 x) const {
@@ -382,9 +383,12 @@ inline __m256 codes8(const uint8_t* data, int64_t i, int bits) {
 // hints no better. (A hint only: it never faults, past the end of a row either.)
 constexpr int64_t kPrefetchBytes = 512;
 inline void prefetch_ahead(const uint8_t* const* rows, int64_t chunks, int64_t nb, int bits, int64_t e, int64_t stop) {
-  for (int64_t c = 0; c < chunks; ++c)
+  for (int64_t c = 0; c < chunks; ++c) {
+    // The address as an integer: a pointer that far past the end of the buffer would be undefined in C++.
+    const uintptr_t data = reinterpret_cast<uintptr_t>(rows[c]) + static_cast<uintptr_t>(4 * nb + kPrefetchBytes);
     for (int64_t off = e * bits / 8; off < stop * bits / 8; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(rows[c] + 4 * nb + off + kPrefetchBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(data + static_cast<uintptr_t>(off)), _MM_HINT_T0);
+  }
 }
 
 // acc[0..n) = the sum over C packed rows of their decoded elements [e0, e0 + n), in row order from
@@ -393,6 +397,7 @@ inline void prefetch_ahead(const uint8_t* const* rows, int64_t chunks, int64_t n
 // each 8 values share one scale per row.
 inline void reduce_rows(const uint8_t* const* rows, int64_t chunks, int64_t length, int bits, int64_t block,
                         int64_t e0, int64_t n, float* acc) {
+  if (chunks == 0) return std::fill(acc, acc + n, 0.0f);  // (the row-by-row loop below writes nothing then)
   const int64_t nb = num_blocks(length, block);
   for (int64_t e = e0; e < e0 + n;) {
     const int64_t k = e / block;

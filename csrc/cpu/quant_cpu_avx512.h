@@ -14,11 +14,9 @@
 // every vector computes the scalar expression for element i with the same IEEE fp32 operations in the
 // same order (each butterfly's a + b and a - b of the same two values, stage after stage in the order of
 // hadamard_range; the codes by ReciprocalCodes' proof, or by the division where that proof does not
-// apply). No FMA. tests/test_kernels.py checks this level against the reference wherever the CPU has it.
+// apply, or, for INT4 codes of 16-bit values, by comparison with the block's exact code boundaries:
+// Int4Thresholds and its proof). No FMA. tests/test_kernels.py checks this level against the reference wherever the CPU has it.
 
-#ifndef ZPP_PF
-#define ZPP_PF 4096
-#endif
 namespace avx512 {
 
 // ---- 16 input values widened to fp32, in element order ----
@@ -182,11 +180,14 @@ struct Int4Thresholds {
                                _mm512_castps256_ps512(up));
     inv_low = _mm512_set1_ps(inverse_scale * (1.0f - 0x1p-20f));
   }
+  // s >= 2^-120: s is normal (the relative error bounds above hold and 1 / s is finite; with a subnormal s the
+  // estimate could reach 8) and every T_j is a normal float (no denormal compares). Smaller scales divide.
   static bool applies(float s) { return s >= 0x1p-120f; }
   // int32 codes of 16 values (|x| <= the block's absmax, finite). e = rne(|x| * inv_low) is the code of |x|
-  // or one less: |x| * inv_low lies below fl(|x| / s) (inv_low shrinks by 2^-20, more than the three roundings'
-  // 3 * 2^-24) and below 7, both rounding and the clamp are monotone, and it is within 1e-4 of min(fl(|x| / s), 7).
-  // So the code of |x| is e + [|x| >= T_(e+1)], one table lookup.
+  // or one less: |x| * inv_low lies below fl(|x| / s) (inv_low shrinks by 2^-20, more than the four roundings'
+  // 4 * 2^-24: fl(1 / s), the shrink, the product, and fl(|x| / s) itself) and below 7, both rounding and the
+  // clamp are monotone, and it is within 1e-4 of min(fl(|x| / s), 7). So the code of |x| is
+  // e + [|x| >= T_(e+1)], one table lookup.
   __m512i operator()(__m512 x) const {
     const __m512 ax = _mm512_abs_ps(x);
     const __m512i e = _mm512_cvt_roundps_epi32(_mm512_mul_ps(ax, inv_low), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

@@ -204,7 +204,7 @@ def dequant_reduce_quantize_(packed_in, packed_out, row_numel, bits_in, block_in
     layout.check_hadamard(hadamard_in, block_in)
     if hadamard_in and block_out % hadamard_in:
         raise ValueError(f"hadamard_in={hadamard_in} must also divide block_out={block_out}: the kernels rotate the "
-                         "sum one output block at a time")
+                         "sum in runs that start at output block starts")
     layout.check_hadamard(hadamard_out, block_out)
     _check_packed("packed_in", packed_in, 3, packed_in.device)
     _check_packed("packed_out", packed_out, 2, packed_in.device)

@@ -27,7 +27,9 @@
 //               never built with -ffast-math / -freciprocal-math. The AVX2 quantize
 //               loop (csrc/cpu/quant_cpu_avx2.h, ReciprocalCodes) multiplies by the
 //               reciprocal only where the rounded code provably equals that of the
-//               quotient, and divides everywhere else: the codes are the contract's.
+//               quotient, and divides everywhere else; INT4 codes of 16-bit values
+//               come from comparisons with the block's exact code boundaries
+//               (Int4Thresholds): the codes are the contract's.
 //   CUDA        __fdiv_rn(a, b).
 //   reference   tensor / tensor on the same device. NOT tensor / Python number:
 //               PyTorch's CUDA kernel computes that as a * (1.0f / b).
