@@ -235,29 +235,14 @@ inline void quantize_int4(const T* x, int64_t n, const Int4Thresholds& codes, ui
   }
 }
 
-// avx2::quantize_full_blocks at 16 lanes: g <= 8 full blocks of `block` values (a multiple of 32). INT4 blocks
-// of 16-bit values by their thresholds. fp32 values (inputs, Hadamard-rotated blocks, the fused ops' sums) keep
-// the reciprocal: they are near a tie in 0.4% of groups, and there its loop is the cheaper one (INT4 quantize
-// with Hadamard smoothing 6-10% faster, measured); the fp32 instance has no threshold code at all (with it, its
-// INT4 quantize measured 8% slower).
+// avx2::quantize_full_blocks at 16 lanes: g <= 8 full blocks of `block` values (a multiple of 32), INT4 blocks
+// of 16-bit values by their thresholds (avx2::quantize_full_blocks_by says why not fp32).
 template <typename T>
 inline void quantize_full_blocks(const T* x, int64_t g, int64_t block, int bits, uint8_t* scales_out, uint8_t* data) {
-  const auto absmax_fn = [](const T* v, int64_t n, bool* nf) { return absmax(v, n, nf); };
-  const auto nearest = [](const T* v, int64_t n, int b, float s, float inv, uint8_t* d) {
-    quantize_nearest(v, n, b, s, inv, d);
-  };
-  if constexpr (!std::is_same_v<T, float>) {
-    if (bits == 4) {
-      Int4Thresholds thresholds[8];
-      return avx2::quantize_int4_blocks_with(
-          x, g, block, scales_out, data, absmax_fn, thresholds,
-          [](const T* v, int64_t n, const Int4Thresholds& t, uint8_t* d) { quantize_int4(v, n, t, d); }, nearest);
-    }
-  }
-  avx2::quantize_full_blocks_with(x, g, block, bits, scales_out, data, absmax_fn, [](const float*, const float*) {},
-                                  [&](int64_t, const T* v, int64_t n, int b, float s, float inv, uint8_t* d) {
-                                    nearest(v, n, b, s, inv, d);
-                                  });
+  avx2::quantize_full_blocks_by<Int4Thresholds>(
+      x, g, block, bits, scales_out, data, [](const T* v, int64_t n, bool* nf) { return absmax(v, n, nf); },
+      [](const T* v, int64_t n, int b, float s, float inv, uint8_t* d) { quantize_nearest(v, n, b, s, inv, d); },
+      [](const T* v, int64_t n, const Int4Thresholds& t, uint8_t* d) { quantize_int4(v, n, t, d); });
 }
 
 // 16 codes as fp32, starting at element i of a block's data (i a multiple of 16): avx2::codes8 at 16 lanes.
