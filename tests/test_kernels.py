@@ -985,11 +985,11 @@ def test_blocks_of_ties_and_extremes_match_reference(cpu_isa):
         assert torch.equal(got, want), (bits, dtype, hadamard)
 
 
-def _every_16bit_value_below(absmax: torch.Tensor, dtype, binades: int = 5) -> torch.Tensor:
-    """Blocks of 128 values of `dtype`: each block's first value is +-absmax (so every block has that scale), the
-    others are every value of `dtype` from absmax down to absmax / 2^binades, with both signs."""
-    bits_of_max = int(absmax.to(dtype).view(torch.int16 if dtype != torch.float32 else torch.int32).item())
-    mantissa = 7 if dtype == torch.bfloat16 else 10
+def _every_16bit_value_below(absmax: torch.Tensor, dtype, mantissa: int, binades: int = 5) -> torch.Tensor:
+    """Blocks of 128 values of `dtype` (`mantissa` stored significand bits): each block's first value is +-absmax
+    (so every block has that scale), the others are every value of `dtype` from absmax down to
+    absmax / 2^binades, with both signs."""
+    bits_of_max = int(absmax.to(dtype).view(torch.int16).item())
     count = binades << mantissa
     lower = torch.arange(bits_of_max - count, bits_of_max + 1, dtype=torch.int32).to(torch.int16).view(dtype)
     values = torch.cat([lower, -lower])
@@ -1004,8 +1004,8 @@ def _every_16bit_value_below(absmax: torch.Tensor, dtype, binades: int = 5) -> t
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_int4_codes_of_every_16bit_value_near_the_thresholds_match_the_division(cpu_isa, dtype):
     """INT4 of 16-bit values at x86-64-v3 and v4 takes each block's seven code boundaries exactly and compares
-    the values with them (quant_cpu_avx512.h and quant_cpu_avx2.h, Int4Thresholds) instead of dividing. For a 16-bit input the boundaries can be checked
-    exhaustively: for absmax of every significand in a binade (and a few binades apart, down to the scales where
+    the values with them (quant_cpu_avx512.h and quant_cpu_avx2.h, Int4Thresholds) instead of dividing. For a
+    16-bit input the boundaries can be checked exhaustively: for absmax of every significand in a binade (and a few binades apart, down to the scales where
     the thresholds stop applying), every value from absmax down past the lowest boundary (absmax / 14), both
     signs, gives the reference's bytes. 16-bit values sit on INT4's ties by themselves (absmax / 2 gives
     x / scale ~= 3.5), which is why the thresholds exist."""
@@ -1016,7 +1016,7 @@ def test_int4_codes_of_every_16bit_value_near_the_thresholds_match_the_division(
     absmaxes = [torch.tensor(base + m, dtype=torch.int16).view(dtype).float() for m in range(0, 1 << mantissa, step)]
     exponents = [2.0 ** -100, 2.0 ** -117, 2.0 ** -118, 2.0 ** 100] if dtype == torch.bfloat16 else [2.0 ** -9, 2.0 ** 12]
     absmaxes += [a * e for a in absmaxes[:: max(1, len(absmaxes) // 16)] for e in exponents]
-    x = torch.cat([_every_16bit_value_below(a, dtype) for a in absmaxes])
+    x = torch.cat([_every_16bit_value_below(a, dtype, mantissa) for a in absmaxes])
     got, want = (ops.quantize(x, 4, 128, backend=b) for b in ("kernel", "reference"))
     assert torch.equal(got, want)
     decoded = ops.dequantize(want, x.shape, torch.float32, 4, 128).view(-1, 128)

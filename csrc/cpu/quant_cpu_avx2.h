@@ -16,8 +16,8 @@
 // x / scale, which quantize_nearest gets from a multiply by the reciprocal and a rounding convert
 // where that provably gives the same integer, and from the division itself everywhere else (the
 // proof is at ReciprocalCodes); INT4 codes of 16-bit values come from a comparison with the block's
-// exact code boundaries instead (Int4Thresholds; the proof is at quant_cpu_avx512.h's). Like the scalar code and the reference, this assumes the default
-// rounding mode, round to nearest even (MXCSR.RC = 0; torch never changes it): under a directed
+// exact code boundaries instead (Int4Thresholds; the proof is at quant_cpu_avx512.h's). Like the scalar
+// code and the reference, this assumes the default rounding mode, round to nearest even (MXCSR.RC = 0; torch never changes it): under a directed
 // mode the levels may differ from each other, as the reference differs from both. No FMA: -ffp-contract=off holds for
 // intrinsics too, and each mul/add here is a separate intrinsic. The widenings are exact: bf16 is
 // the top half of an fp32, and vcvtph2ps converts fp16 exactly. tests/test_kernels.py checks every
@@ -280,16 +280,24 @@ inline void quantize_full_blocks_with(const T* x, int64_t g, int64_t block, int 
 // embedded rounding, so s * mid_j is rounded to a float by the default mode (nearest) and stepped up one float
 // where it came out below (it never is a float itself, so that is the float above it); and a lookup of index 8
 // wraps to lane 0, which holds +inf for it.
+// mid_j for j = 0..7 (lane 0 a placeholder), the boundaries' exact multiples of s (quant_cpu_avx512.h): for even
+// j, j - 1/2 - ulp(j - 1/2) / 2; for odd j, j - 1/2 plus half of the ulp above it.
+alignas(64) constexpr double kInt4BoundaryMids[8] = {1.0,          0.5 + 0x1p-25, 1.5 - 0x1p-24, 2.5 + 0x1p-23,
+                                                     3.5 - 0x1p-23, 4.5 + 0x1p-22, 5.5 - 0x1p-22, 6.5 + 0x1p-22};
+// The estimate's reciprocal, fl(fl(1 / s) * (1 - 2^-20)): below 1 / s by more than its roundings.
+inline float int4_estimate_inverse(float inverse_scale) { return inverse_scale * (1.0f - 0x1p-20f); }
+
 struct Int4Thresholds {
   __m256 table;    // lane 0: +inf (looked up as index 8); lanes 1..7: T_1..T_7
   __m256 inv_low;  // fl(fl(1 / s) * (1 - 2^-20)), broadcast
   Int4Thresholds() = default;
   Int4Thresholds(float s, float inverse_scale) {
     const __m256d sd = _mm256_set1_pd(static_cast<double>(s));
-    const __m256d d_lo = _mm256_mul_pd(sd, _mm256_setr_pd(1.0, 0.5 + 0x1p-25, 1.5 - 0x1p-24, 2.5 + 0x1p-23));
-    const __m256d d_hi = _mm256_mul_pd(sd, _mm256_setr_pd(3.5 - 0x1p-23, 4.5 + 0x1p-22, 5.5 - 0x1p-22, 6.5 + 0x1p-22));
-    table = _mm256_blend_ps(_mm256_set_m128(up(d_hi), up(d_lo)), _mm256_set1_ps(std::numeric_limits<float>::infinity()), 0x01);
-    inv_low = _mm256_set1_ps(inverse_scale * (1.0f - 0x1p-20f));
+    const __m256d d_lo = _mm256_mul_pd(sd, _mm256_load_pd(kInt4BoundaryMids));  // exact
+    const __m256d d_hi = _mm256_mul_pd(sd, _mm256_load_pd(kInt4BoundaryMids + 4));
+    table = _mm256_blend_ps(_mm256_set_m128(up(d_hi), up(d_lo)),
+                            _mm256_set1_ps(std::numeric_limits<float>::infinity()), 0x01);
+    inv_low = _mm256_set1_ps(int4_estimate_inverse(inverse_scale));
   }
   // The least float above each of 4 doubles that are not floats themselves.
   static __m128 up(__m256d d) {
@@ -379,7 +387,8 @@ inline __m256 codes8(const uint8_t* data, int64_t i, int bits) {
 // cold in cache). With these prefetches every row length runs at 15-17 GB/s. Where the hardware keeps up (rows
 // of 16M, cold) they cost 10-18%; rows of a few million values are the common case (a 40M-element gradient
 // bucket over 8 ranks of a node gives rows of 5M). 512 bytes measured best of 512 to 4096, and the T1 and NTA
-// hints no better. (A hint only: it never faults, past the end of a row either.)
+// hints no better. (A hint only: it never faults, past the end of a row either.) At x86-64-v3, INT8 sums row by
+// row instead (reduce_rows).
 constexpr int64_t kPrefetchBytes = 512;
 inline void prefetch_ahead(const uint8_t* const* rows, int64_t chunks, int64_t nb, int bits, int64_t e, int64_t stop) {
   for (int64_t c = 0; c < chunks; ++c) {

@@ -15,7 +15,8 @@
 // same order (each butterfly's a + b and a - b of the same two values, stage after stage in the order of
 // hadamard_range; the codes by ReciprocalCodes' proof, or by the division where that proof does not
 // apply, or, for INT4 codes of 16-bit values, by comparison with the block's exact code boundaries:
-// Int4Thresholds and its proof). No FMA. tests/test_kernels.py checks this level against the reference wherever the CPU has it.
+// Int4Thresholds and its proof). No FMA. tests/test_kernels.py checks this level against the reference
+// wherever the CPU has it.
 
 namespace avx512 {
 
@@ -170,15 +171,12 @@ struct Int4Thresholds {
   __m512 inv_low;  // fl(fl(1 / s) * (1 - 2^-20)), broadcast
   Int4Thresholds() = default;
   Int4Thresholds(float s, float inverse_scale) {
-    // mid_j for j = 0..7 (lane 0 a placeholder): even j: j - 1/2 - ulp(j - 1/2) / 2; odd j: j - 1/2 plus half
-    // of the ulp above it (m_j's predecessor is j - 1/2 itself).
-    const __m512d mid = _mm512_setr_pd(1.0, 0.5 + 0x1p-25, 1.5 - 0x1p-24, 2.5 + 0x1p-23, 3.5 - 0x1p-23,
-                                       4.5 + 0x1p-22, 5.5 - 0x1p-22, 6.5 + 0x1p-22);
-    const __m512d d = _mm512_mul_pd(_mm512_set1_pd(static_cast<double>(s)), mid);  // exact
+    // mid_j (avx2::kInt4BoundaryMids; for odd j, m_j's predecessor is j - 1/2 itself) times s: exact
+    const __m512d d = _mm512_mul_pd(_mm512_set1_pd(static_cast<double>(s)), _mm512_load_pd(avx2::kInt4BoundaryMids));
     const __m256 up = _mm512_cvt_roundpd_ps(d, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
     table = _mm512_mask_mov_ps(_mm512_set1_ps(std::numeric_limits<float>::infinity()), 0x00FF,
                                _mm512_castps256_ps512(up));
-    inv_low = _mm512_set1_ps(inverse_scale * (1.0f - 0x1p-20f));
+    inv_low = _mm512_set1_ps(avx2::int4_estimate_inverse(inverse_scale));
   }
   // s >= 2^-120: s is normal (the relative error bounds above hold and 1 / s is finite; with a subnormal s the
   // estimate could reach 8) and every T_j is a normal float (no denormal compares). Smaller scales divide.
@@ -259,8 +257,6 @@ inline __m512 codes16(const uint8_t* data, int64_t i, int bits) {
   return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_sllv_epi32(dwords, to_top), 28));
 }
 
-// avx2::reduce_rows at 16 lanes (the same sum, in the same chunk order, from 0.0f) where e0, n and block are
-// multiples of 16; the 8-lane loop elsewhere.
 // INT4 rows, 32 values per step (e0, n and block multiples of 32): each byte's two nibbles index a table of the
 // sixteen codes as fp32 (the table lookup is the decode: no shifts to the top and back, no int -> float convert),
 // the even elements summed in one register and the odd ones in another, interleaved once per 32 sums instead
@@ -291,6 +287,8 @@ inline void reduce_rows_int4(const uint8_t* const* rows, int64_t chunks, int64_t
   }
 }
 
+// avx2::reduce_rows at 16 lanes (the same sum, in the same chunk order, from 0.0f) where e0, n and block are
+// multiples of 16 (INT4 at multiples of 32: reduce_rows_int4); the 8-lane loop elsewhere.
 inline void reduce_rows(const uint8_t* const* rows, int64_t chunks, int64_t length, int bits, int64_t block,
                         int64_t e0, int64_t n, float* acc) {
   if (e0 % 16 || n % 16 || block % 16) return avx2::reduce_rows(rows, chunks, length, bits, block, e0, n, acc);

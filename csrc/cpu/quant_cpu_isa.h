@@ -512,7 +512,7 @@ void dequantize_rows_kernel(const uint8_t* packed, T* out, int64_t rows, int64_t
 }
 
 // Sum over the C chunks of packed_in [C, K, rb] for output blocks of `block_out` elements, handing the fp32
-// sums of up to kSumBlocks consecutive output blocks of one row to `emit(k, j, e0, n, acc)`: row k, first block
+// sums of up to sum_blocks(block_out) consecutive output blocks of one row to `emit(k, j, e0, n, acc)`: row k, first block
 // j, elements [e0, e0 + n) (acc is the task's buffer: emit may transform it in place). Several blocks at a
 // time because the per-block work besides the sums (the row and block indices, the chunks' row pointers, the
 // output scales' divisions) measured as much as the sums themselves for INT4 at block 128: 4 chunks at 11
