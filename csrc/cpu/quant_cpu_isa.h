@@ -370,6 +370,13 @@ void quantize_rows_kernel(const T* x, uint8_t* packed, int64_t rows, int64_t len
         const int64_t g = std::min<int64_t>({8, length / block - k, b1 - b});
         if (g > 0) {
           const T* src = x + r * length + k * block;
+#if !ZPP_CPU_ISA_AVX512
+          // The next step's input asked for now (a hint: it never faults past the end). On an AVX2-only
+          // AMD Zen 3 VM the hardware prefetcher alone left quantize 10-20% slower on cold inputs of 16M
+          // values (2 threads, alternating runs). Not at x86-64-v4, where it is unmeasured.
+          const int64_t step_bytes = g * block * static_cast<int64_t>(sizeof(T));
+          avx2::prefetch_bytes(reinterpret_cast<uintptr_t>(src), step_bytes, 2 * step_bytes);
+#endif
           if (log2h) {
             wide::quantize_full_blocks(rotated(src, g * block, log2h), g, block, bits, row + 4 * k,
                                        data + k * block * bits / 8);
