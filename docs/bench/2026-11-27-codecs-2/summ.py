@@ -11,7 +11,8 @@ for lvl in sys.argv[1:]:
     b,a=load(f'before-{lvl}'),load(f'after-{lvl}')
     mem=[r['memcpy_gbps'] for v in a.values() for r in v]+[r['memcpy_gbps'] for v in b.values() for r in v]
     print(f"\n#### x86-64-{lvl}: memcpy {min(mem):.0f}-{max(mem):.0f} GB/s (median {st.median(mem):.0f})\n")
-    print("| op | bits | dtype | elements | before GB/s | after GB/s | after / before | before x memcpy | after x memcpy (5 rounds) |")
+    rounds=len(glob.glob(f'after-{lvl}-*.json'))
+    print(f"| op | bits | dtype | elements | before GB/s | after GB/s | after / before | before x memcpy | after x memcpy ({rounds} rounds) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for k in sorted(a, key=lambda k:(k[0] not in GOAL, k[0], -k[1], k[2] or '', k[3])):
         bg=st.median(r['gbps'] for r in b[k]); ag=st.median(r['gbps'] for r in a[k])
