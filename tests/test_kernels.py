@@ -502,6 +502,35 @@ def test_every_cpu_level_matches_reference(cpu_isa, bits, block):
                 assert float_diff(got, want) == 0, (name, dtype, stochastic)
 
 
+@pytest.mark.parametrize("cpu_isa", CPU_ISAS, indirect=True)
+@pytest.mark.parametrize("bits,block", [(4, 128), (4, 40), (4, 64), (8, 256), (8, 24)])
+def test_every_code_decodes_as_the_reference_at_every_level(cpu_isa, bits, block):
+    """Random payloads decode to the reference's bits, so every code occurs, also the two that quantize never
+    writes (INT4 -8, INT8 -128: it clamps to +-7 and +-127), which a wrong entry of a decode table would turn
+    into another value: dequantize (with and without the rotation), dequant_reduce and the fused op's sums."""
+    rows, length = 4, 1031  # partial last block, odd length (INT4 tail nibble)
+    nb, rb = layout.num_blocks(length, block), layout.row_bytes(length, bits, block)
+    gen = torch.Generator().manual_seed(SEED)
+    q = torch.randint(0, 256, (rows, rb), generator=gen, dtype=torch.uint8)
+    q[:, :4 * nb] = (torch.rand(rows, nb, generator=gen) + 0.5).view(torch.uint8)  # finite scales
+    codes = q[:, 4 * nb:4 * nb + length * bits // 8]
+    assert (codes == (0x88 if bits == 4 else 0x80)).any()  # -8 twice / -128 among them
+    outs = {}
+    for backend in ("kernel", "reference"):
+        ys = []
+        for dtype, h in itertools.product((torch.float32, torch.bfloat16), (0, 8)):
+            y = torch.empty(rows * length, dtype=dtype)
+            ops.dequantize_rows_(q, y, bits, block, hadamard=h, backend=backend)
+            ys.append(y)
+        mean = torch.empty(length)
+        ops.dequant_reduce_(q.view(rows, 1, -1), mean, bits, block, 3.0, backend=backend)
+        red = torch.empty(1, layout.row_bytes(length, 8, 8), dtype=torch.uint8)
+        ops.dequant_reduce_quantize_(q.view(rows, 1, -1), red, length, bits, block, 8, 8, backend=backend)
+        outs[backend] = (*ys, mean, red)
+    for i, (got, want) in enumerate(zip(outs["kernel"], outs["reference"])):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), i
+
+
 def edge_sample(bits: int, block: int, dtype) -> torch.Tensor:
     """One block per hard case of the 16-bit conversions (widening inputs, narrowing outputs), then a
     partial block of 13 (not a multiple of any vector width): exact round-to-nearest-even ties when

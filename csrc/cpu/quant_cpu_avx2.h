@@ -380,9 +380,10 @@ inline __m256 codes8(const uint8_t* data, int64_t i, int bits) {
   return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_sllv_epi32(_mm256_set1_epi32(static_cast<int>(w)), to_top), 28));
 }
 
-// 32 INT4 codes as fp32, elements i..i+31 of a block's data (i even), in element order in v[0..3]: the 16 bytes'
-// low and high nibbles sign-extended by one byte-table lookup each (16 values per instruction), interleaved
-// back into element order, widened. Same values as codes8 (unpack_int4_lo/hi), a third fewer instructions.
+// 32 INT4 codes as fp32, elements i..i+31 of a row's data (i even; reads the 16 bytes at i / 2, so i + 32 must
+// not pass the row's length), in element order in v[0..3]: the bytes' low and high nibbles sign-extended by one
+// byte-table lookup each (16 values per instruction), interleaved back into element order, widened. Same
+// values as codes8 (unpack_int4_lo/hi) in about 16 instructions per 32 values instead of 20.
 inline void int4_codes32(const uint8_t* data, int64_t i, __m256 v[4]) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(data + i / 2));
   const __m128i nibble = _mm_set1_epi8(0x0f);

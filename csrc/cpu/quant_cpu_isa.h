@@ -196,6 +196,10 @@ inline void divide_to_half(const float* acc, int64_t n, float divisor, c10::Half
 // task start, small enough to balance blocks over two or more threads.
 constexpr int64_t kGrainElements = 1 << 15;
 
+// quantize's prefetch distance at x86-64-v3 (quantize_rows_kernel): the largest step measured (8 blocks of 256
+// fp32 values).
+constexpr int64_t kQuantizePrefetchBytes = 8192;
+
 inline int64_t grain_blocks(int64_t block) { return std::max<int64_t>(1, kGrainElements / block); }
 
 inline void store_scale(uint8_t* row, int64_t k, float scale) { std::memcpy(row + 4 * k, &scale, 4); }
@@ -371,11 +375,14 @@ void quantize_rows_kernel(const T* x, uint8_t* packed, int64_t rows, int64_t len
         if (g > 0) {
           const T* src = x + r * length + k * block;
 #if !ZPP_CPU_ISA_AVX512
-          // The next step's input asked for now (a hint: it never faults past the end). On an AVX2-only
-          // AMD Zen 3 VM the hardware prefetcher alone left quantize 10-20% slower on cold inputs of 16M
-          // values (2 threads, alternating runs). Not at x86-64-v4, where it is unmeasured.
+          // The next step's input asked for now (a hint: it never faults past the end), at most its first
+          // kQuantizePrefetchBytes (more would not stay in a 32 KiB L1 until used). On an AVX2-only AMD Zen 3 VM
+          // the hardware prefetcher alone left quantize 8-20% slower on cold inputs of 16M values (2 threads,
+          // alternating runs; steps of 2-8 KiB: blocks 128 and 256, fp32 and bf16). Not at x86-64-v4, where
+          // it is unmeasured.
           const int64_t step_bytes = g * block * static_cast<int64_t>(sizeof(T));
-          avx2::prefetch_bytes(reinterpret_cast<uintptr_t>(src), step_bytes, 2 * step_bytes);
+          avx2::prefetch_bytes(reinterpret_cast<uintptr_t>(src), step_bytes,
+                               step_bytes + std::min(step_bytes, kQuantizePrefetchBytes));
 #endif
           if (log2h) {
             wide::quantize_full_blocks(rotated(src, g * block, log2h), g, block, bits, row + 4 * k,
