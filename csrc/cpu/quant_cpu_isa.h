@@ -377,9 +377,9 @@ void quantize_rows_kernel(const T* x, uint8_t* packed, int64_t rows, int64_t len
 #if !ZPP_CPU_ISA_AVX512
           // The next step's input asked for now (a hint: it never faults past the end), at most its first
           // kQuantizePrefetchBytes (more would not stay in a 32 KiB L1 until used). On an AVX2-only AMD Zen 3 VM
-          // the hardware prefetcher alone left quantize 8-20% slower on cold inputs of 16M values (2 threads,
-          // alternating runs; steps of 2-8 KiB: blocks 128 and 256, fp32 and bf16). Not at x86-64-v4, where
-          // it is unmeasured.
+          // the hardware prefetcher alone left quantize INT4 and INT8 bf16 10-20% slower on cold inputs of 16M
+          // values (INT8 fp32 the same; 2 threads, alternating runs; steps of 2-8 KiB: blocks 128 and 256, fp32
+          // and bf16). Not at x86-64-v4, where it is unmeasured.
           const int64_t step_bytes = g * block * static_cast<int64_t>(sizeof(T));
           avx2::prefetch_bytes(reinterpret_cast<uintptr_t>(src), step_bytes,
                                step_bytes + std::min(step_bytes, kQuantizePrefetchBytes));
