@@ -1,9 +1,9 @@
 #!/bin/bash
-# Usage: ab.sh ROUNDS THREADS OPS SIZES DIR... with DIR a checkout under /work whose extension is built in place;
+# Usage: ab.sh ROUNDS THREADS OPS SIZES DIR... with DIR a checkout (a path) whose extension is built in place;
 # prints per op the median GB/s of each build over the rounds (each round runs every build once, in turn).
 R=$1; T=$2; OPS=$3; SZ=$4; shift 4
 for r in $(seq $R); do for v in "$@"; do
-  PYTHONPATH=/work/$v ${PYTHON:-python} "$(dirname "$0")/probe.py" /work/$v $T $OPS $SZ | sed "s/^/$v /"
+  PYTHONPATH=$v ${PYTHON:-python} "$(dirname "$0")/probe.py" $v $T $OPS $SZ | sed "s|^|$v |"
 done; done > /tmp/ab.out
 python3 - <<'P'
 import collections, statistics

@@ -1,6 +1,9 @@
 # In-cache vs cold rates of the goal ops (GB/s as bench_codecs counts them).
+# Usage: probe.py [CHECKOUT] [THREADS] [OPS] [SIZES]: CHECKOUT (default: this repository) has its extension built
+# in place; OPS and SIZES comma-separated.
 import sys, time, statistics, torch
-sys.path.insert(0, sys.argv[1] if len(sys.argv) > 1 else "/work/main")
+from pathlib import Path
+sys.path.insert(0, sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).resolve().parents[3]))
 import megatron_zpp.compression.ops as ops  # noqa
 from megatron_zpp.compression import layout
 threads = int(sys.argv[2]) if len(sys.argv) > 2 else 1
