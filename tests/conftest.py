@@ -2,6 +2,15 @@ import pytest
 import torch
 
 from megatron_zpp.compression import ops
+from megatron_zpp.testing.spawn import preload_rank_modules
+
+if not torch.cuda.is_available():
+    # Multi-process tests fork their ranks from one server that imported these once: four ranks importing
+    # megatron.core cost ~30 s per test on a 2-core machine, forked ones well under a second. Ranks still see
+    # the test's environment, working directory and output (spawn.py). Modules read at import time see the
+    # environment of the session's start.
+    preload_rank_modules(["torch.distributed", "megatron.core", "megatron.core.models.gpt",
+                          "megatron_zpp.megatron", "megatron_zpp.training.trainer"])
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
