@@ -16,12 +16,14 @@ emits PTX that the older ptxas rejects).
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
 import sysconfig
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,9 +50,12 @@ def cuda_root() -> Path:
 
 
 def run(cmd: list[str]) -> float:
+    """One compile; its output is printed after it ends, so parallel compiles' errors do not interleave."""
     t0 = time.perf_counter()
-    print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    print("+", " ".join(cmd), f"({time.perf_counter() - t0:.1f}s)\n" + proc.stdout, end="", flush=True)
+    if proc.returncode:
+        raise SystemExit(f"compile failed (exit {proc.returncode}): {cmd[-3]}")
     return time.perf_counter() - t0
 
 
@@ -75,18 +80,21 @@ def main() -> None:
         raise SystemExit(f"{nvcc} cannot compile for {', '.join(missing)} (it knows {' '.join(sorted(known))}); "
                          "set TORCH_CUDA_ARCH_LIST to a subset or use a newer nvcc")
     flags = nvcc_flags(archs)
-    t_kernels = t_binding = 0.0
-    for name in KERNELS:
-        t_kernels += run([str(nvcc), *flags, *includes, "-c", str(ROOT / "csrc/cuda" / f"{name}.cu"),
-                          "-o", str(out / f"{name}.o")])
     torch_includes = [f"-I{p}" for p in include_paths()]  # ATen/cuda headers live here too
-    for name in BINDINGS:
-        t_binding += run(["g++", *CPU_CFLAGS, "-fPIC", "-DZPP_WITH_CUDA", *includes, *torch_includes,
-                          f"-I{sysconfig.get_paths()['include']}", "-c", str(ROOT / "csrc/cuda" / f"{name}.cpp"),
-                          "-o", str(out / f"{name}.o")])
+    kernels = [[str(nvcc), *flags, *includes, "-c", str(ROOT / "csrc/cuda" / f"{name}.cu"), "-o", str(out / f"{name}.o")]
+               for name in KERNELS]
+    bindings = [["g++", *CPU_CFLAGS, "-fPIC", "-DZPP_WITH_CUDA", *includes, *torch_includes,
+                 f"-I{sysconfig.get_paths()['include']}", "-c", str(ROOT / "csrc/cuda" / f"{name}.cpp"),
+                 "-o", str(out / f"{name}.o")] for name in BINDINGS]
+    # The compiles are independent: one per core (each is single-threaded).
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, min(len(os.sched_getaffinity(0)), 6))) as pool:
+        seconds = list(pool.map(run, kernels + bindings))
+    t_kernels, t_binding = sum(seconds[:len(kernels)]), sum(seconds[len(kernels):])
     sass = ", ".join(f"sm_{a.code}" for a in archs)
     ptx = ", ".join(f"compute_{a.major}{a.minor}" for a in archs if a.ptx)
-    print(f"CUDA compile OK: kernels for {sass} + PTX {ptx} in {t_kernels:.1f}s, torch bindings in {t_binding:.1f}s -> {out}")
+    print(f"CUDA compile OK: kernels for {sass} + PTX {ptx} ({t_kernels:.1f}s of compiling), torch bindings "
+          f"({t_binding:.1f}s), {time.perf_counter() - t0:.1f}s wall -> {out}")
 
 
 if __name__ == "__main__":
