@@ -6,9 +6,9 @@ from megatron_zpp.testing.spawn import preload_rank_modules
 
 if not torch.cuda.is_available():
     # Multi-process tests fork their ranks from one server that imported these once: four ranks importing
-    # megatron.core cost ~30 s per test on a 2-core machine, forked ones well under a second. Ranks still see
-    # the test's environment, working directory and output (spawn.py). Modules read at import time see the
-    # environment of the session's start.
+    # megatron.core cost ~30 s per test on a 2-core machine, forked ones well under a second. The server starts
+    # here, so the preloaded modules see the session's environment; a rank still gets the test's environment,
+    # directory, output and a fresh seed (megatron_zpp/testing/spawn.py).
     preload_rank_modules(["torch.distributed", "megatron.core", "megatron.core.models.gpt",
                           "megatron_zpp.megatron", "megatron_zpp.training.trainer"])
 

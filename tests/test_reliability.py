@@ -287,18 +287,23 @@ def test_spawned_test_worlds_are_bounded_and_stopped():
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the forkserver is for CPU-only runs")
 
 
+# In a rank this module is imported when the rank's function is unpickled: it must see the test's variables.
+_PROBE_AT_IMPORT = os.environ.get("ZPP_SPAWN_PROBE")
+
+
 def _report_environment_and_directory():
     import torch.distributed as dist
 
     print(f"rank {dist.get_rank()} probe={os.environ.get('ZPP_SPAWN_PROBE')} in {os.getcwd()}", flush=True)
     print(f"rank {dist.get_rank()} on stderr", file=sys.stderr, flush=True)
-    return os.environ.get("ZPP_SPAWN_PROBE"), os.getcwd()
+    return os.environ.get("ZPP_SPAWN_PROBE"), _PROBE_AT_IMPORT, os.getcwd(), torch.initial_seed()
 
 
 @pytest.mark.parametrize("start", ["spawn", pytest.param("forkserver", marks=CPU_ONLY)])
 def test_ranks_see_the_callers_environment_directory_and_output(tmp_path, monkeypatch, capfd, start):
     """Under the forkserver the suite uses, a rank is forked from a server started with the session: it must
-    still see what the test set up now, as a spawned rank does (the variables, the directory, the capture)."""
+    still see what the test set up now, as a spawned rank does (the variables, also in modules it imports, the
+    directory, the capture), and draw its own random seed."""
     from megatron_zpp.testing import spawn
 
     if start == "forkserver" and spawn._start_method != "forkserver":
@@ -308,7 +313,8 @@ def test_ranks_see_the_callers_environment_directory_and_output(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     capfd.readouterr()
     results = spawn.run_distributed(_report_environment_and_directory, 2)
-    assert results == [(f"set by the test ({start})", str(tmp_path))] * 2
+    assert [r[:3] for r in results] == [(f"set by the test ({start})",) * 2 + (str(tmp_path),)] * 2, results
+    assert results[0][3] != results[1][3], "both ranks drew the same random seed"  # fresh per process
     out, err = capfd.readouterr()
     for rank in range(2):
         assert f"rank {rank} probe=set by the test ({start}) in {tmp_path}" in out, out

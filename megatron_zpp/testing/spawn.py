@@ -27,21 +27,35 @@ import torch.multiprocessing as mp
 from multiprocessing import reduction
 
 _start_method = "spawn"
+_PRELOAD_ENV = "ZPP_FORKSERVER_PRELOAD"  # the forkserver's preload list, read once by testing/_preload.py
 
 
 def preload_rank_modules(modules: list[str]) -> None:
     """Start the ranks of later ``run_distributed`` calls from a forkserver that imports ``modules`` once.
 
     For CPU test runs: a rank then starts in a fraction of a second instead of re-importing torch and
-    megatron.core. Refused when CUDA is available: importing those modules may initialise the CUDA driver in
-    the server, and a process forked from it cannot use CUDA. A module that is not installed is skipped. Has no
-    effect on a forkserver this process has already started.
+    megatron.core. The server starts now, so the modules see this moment's environment at import (a rank gets
+    the caller's environment of its own start before anything else is unpickled). A module that fails to
+    import is reported on stderr and left to the ranks. Refused when CUDA is available: importing those modules
+    may initialise the CUDA driver in the server, and a process forked from it cannot use CUDA.
+
+    What a forked rank does not give a test: modules the test forgot to import are there already (the
+    server's); ``hash()`` of a string is the same on every rank (PYTHONHASHSEED is fixed at the server's start).
     """
     global _start_method
     if torch.cuda.is_available():
         raise RuntimeError("preload_rank_modules is for CPU-only runs: CUDA is available here, and ranks forked "
                            "from a server that imported CUDA code cannot use it; leave ranks to 'spawn'")
-    mp.get_context("forkserver").set_forkserver_preload(list(modules))
+    from multiprocessing import forkserver
+
+    # The server imports one module of ours, which imports the list and reports failures: forkserver's own
+    # preload tolerates only ImportError, and any other error (a warning turned into one) would kill it.
+    mp.get_context("forkserver").set_forkserver_preload(["megatron_zpp.testing._preload"])
+    os.environ[_PRELOAD_ENV] = ",".join(modules)
+    try:
+        forkserver.ensure_running()
+    finally:
+        del os.environ[_PRELOAD_ENV]
     _start_method = "forkserver"
 
 
@@ -49,7 +63,7 @@ class _InheritedFd:
     """This process's file descriptor ``fd``, duplicated into the rank when the rank is pickled at start.
 
     Under a forkserver a rank's stdout and stderr are otherwise the server's, i.e. whatever they were when the
-    server started (for a test, the first test's capture), not the caller's now as under ``spawn``.
+    server started, not the caller's now as under ``spawn`` (for a test, its capture).
     """
 
     def __init__(self, fd: int):
@@ -63,7 +77,17 @@ class _InheritedFd:
         return dup.detach()
 
 
-def _die_with_parent(caller_pid: int) -> None:
+def _expected_parent() -> int | None:
+    """The process a rank started now will have as its parent: this one, or the forkserver."""
+    if _start_method == "spawn":
+        return os.getpid()
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)  # CPython's name, 3.11 to 3.14
+
+
+def _die_with_parent(caller_pid: int, expected_parent: int | None, forked: bool) -> None:
     """Linux: this rank is SIGKILLed when the process that started it dies, however it dies (a killed study or
     test run would otherwise leave its ranks running, blocked in gloo where a SIGTERM handler never runs).
 
@@ -74,37 +98,59 @@ def _die_with_parent(caller_pid: int) -> None:
         return
     import ctypes
 
-    parent = os.getppid()
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    # A parent that died before the prctl signals nothing: then either our parent changed, or (forkserver) the
-    # caller is already gone.
-    if os.getppid() != parent or parent == 1:
-        os._exit(1)
-    # A forked rank inherits the write end of the server's liveness pipe, which keeps the server (and so this
-    # rank) alive after the caller is gone: drop it. (CPython's forkserver keeps it in this attribute.)
-    from multiprocessing import forkserver
+    if expected_parent is not None and os.getppid() != expected_parent:
+        os._exit(1)  # the parent died before the prctl: nothing will signal us
+    if forked:  # (not _start_method: that is the caller's, not this process's)
+        # A forked rank inherits the write end of the server's liveness pipe, which would keep the server (and
+        # so this rank) alive after the caller is gone: drop it.
+        from multiprocessing import forkserver
 
-    server = getattr(forkserver, "_forkserver", None)
-    if getattr(server, "_forkserver_alive_fd", None) is not None:
-        os.close(server._forkserver_alive_fd)
-        server._forkserver_alive_fd = None
+        server = forkserver._forkserver
+        if hasattr(server, "_forkserver_alive_fd"):  # CPython's name, 3.11 to 3.14
+            if server._forkserver_alive_fd is not None:
+                os.close(server._forkserver_alive_fd)
+                server._forkserver_alive_fd = None
+        else:
+            print("megatron_zpp.testing: this Python's forkserver keeps its liveness pipe elsewhere; ranks may "
+                  "outlive a killed caller", file=sys.stderr, flush=True)
     try:
         os.kill(caller_pid, 0)
     except ProcessLookupError:
         os._exit(1)
 
 
-def _entry(rank: int, fn: Callable, world_size: int, ranks_per_node: int, workdir: str, timeout_s: float,
-           node_env: bool, caller_pid: int, environ: dict, stdio: tuple, args: tuple, kwargs: dict) -> None:
-    _die_with_parent(caller_pid)
-    # As under spawn: the caller's environment and output now (a forked rank has the server's from its start).
-    os.environ.clear()
-    os.environ.update(environ)
-    for target, fd in zip((1, 2), stdio):
-        if fd != target:  # spawn passes the descriptor itself
+def _entry(rank: int, payload: bytes, world_size: int, ranks_per_node: int, workdir: str, timeout_s: float,
+           node_env: bool, caller_pid: int, expected_parent: int | None, environ: dict | None,
+           stdio: tuple | None) -> None:
+    forked = environ is not None
+    _die_with_parent(caller_pid, expected_parent, forked)
+    if forked:
+        # As under spawn: the caller's environment and output of now (a forked rank has the server's), before
+        # the function and its arguments are unpickled (their modules may read the environment at import), and
+        # fresh random seeds (a fork copies the server's generators: every rank would draw the same numbers).
+        os.environ.clear()
+        os.environ.update(environ)
+        for target, fd in zip((1, 2), stdio):
             os.dup2(fd, target)
             os.close(fd)
+        torch.seed()
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
+    try:
+        _run_rank(rank, payload, world_size, ranks_per_node, workdir, timeout_s, node_env)
+    finally:
+        if forked and sys.version_info < (3, 13):
+            # 3.12's forkserver ends a rank with os._exit: its atexit handlers (logging, coverage) would not run.
+            import atexit
+
+            atexit._run_exitfuncs()
+
+
+def _run_rank(rank: int, payload: bytes, world_size: int, ranks_per_node: int, workdir: str, timeout_s: float,
+              node_env: bool) -> None:
+    fn, args, kwargs = pickle.loads(payload)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
     if node_env:
         os.environ.update(LOCAL_WORLD_SIZE=str(ranks_per_node), LOCAL_RANK=str(rank % ranks_per_node))
@@ -149,11 +195,14 @@ def run_distributed(fn: Callable, world_size: int, *args, ranks_per_node: int | 
     if world_size % ranks_per_node:
         raise ValueError(f"world_size={world_size} is not a multiple of ranks_per_node={ranks_per_node}")
     with tempfile.TemporaryDirectory(prefix="zpp-dist-") as workdir:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        forked = _start_method == "forkserver"
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
         context = mp.start_processes(
-            _entry, args=(fn, world_size, ranks_per_node, workdir, timeout_s, node_env, os.getpid(), dict(os.environ),
-                          (_InheritedFd(1), _InheritedFd(2)), args, kwargs),
+            _entry, args=(pickle.dumps((fn, args, kwargs)), world_size, ranks_per_node, workdir, timeout_s, node_env,
+                          os.getpid(), _expected_parent(), dict(os.environ) if forked else None,
+                          (_InheritedFd(1), _InheritedFd(2)) if forked else None),
             nprocs=world_size, join=False, start_method=_start_method)
         deadline = time.monotonic() + wall_limit_s
         try:
