@@ -404,8 +404,7 @@ inline void int4_codes32(const uint8_t* data, int64_t i, __m256 v[4]) {
 // cold in cache). With these prefetches every row length runs at 15-17 GB/s. Where the hardware keeps up (rows
 // of 16M, cold) they cost 10-18%; rows of a few million values are the common case (a 40M-element gradient
 // bucket over 8 ranks of a node gives rows of 5M). 512 bytes measured best of 512 to 4096, and the T1 and NTA
-// hints no better. (A hint only: it never faults, past the end of a row either.) At x86-64-v3, INT8 sums row by
-// row instead (reduce_rows).
+// hints no better. (A hint only: it never faults, past the end of a row either.)
 constexpr int64_t kPrefetchBytes = 512;
 // Asks for the cache lines of [start + from, start + to). The address is an integer: a pointer past the end of
 // its buffer (where this may reach) would be undefined in C++.
@@ -419,12 +418,13 @@ inline void prefetch_ahead(const uint8_t* const* rows, int64_t chunks, int64_t n
                    e * bits / 8, stop * bits / 8);
 }
 
-// reduce_rows' INT4 sums of elements [e, stop) of input block k (e even, stop - e a multiple of 8) to out[0..),
-// 32 values per step, the running sums in registers. Not inlined: inside reduce_rows it changed the INT8 loop's
-// code (measured 5-10% slower, alternating runs).
-[[gnu::noinline]] inline void reduce_block_int4(const uint8_t* const* rows, int64_t chunks, int64_t nb, int64_t k,
-                                               int64_t e, int64_t stop, float* out) {
-  prefetch_ahead(rows, chunks, nb, 4, e, stop);
+// reduce_rows' sums of elements [e, stop) of input block k (e even, stop - e a multiple of 8) to out[0..), 32
+// values per step, the running sums in registers, with the prefetches. Not inlined: the INT4 loop inside
+// reduce_rows changed the code of the INT8 loop there (measured 5-10% slower, alternating runs).
+template <int kBits>
+[[gnu::noinline]] void reduce_block(const uint8_t* const* rows, int64_t chunks, int64_t nb, int64_t k, int64_t e,
+                                    int64_t stop, float* out) {
+  prefetch_ahead(rows, chunks, nb, kBits, e, stop);
   int64_t i = e;
   for (; i + 32 <= stop; i += 32) {
     __m256 sum[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -433,7 +433,11 @@ inline void prefetch_ahead(const uint8_t* const* rows, int64_t chunks, int64_t n
       std::memcpy(&s, rows[c] + 4 * k, 4);
       const __m256 sv = _mm256_set1_ps(s);
       __m256 q[4];
-      int4_codes32(rows[c] + 4 * nb, i, q);
+      if constexpr (kBits == 4) {
+        int4_codes32(rows[c] + 4 * nb, i, q);
+      } else {
+        for (int j = 0; j < 4; ++j) q[j] = codes8(rows[c] + 4 * nb, i + 8 * j, 8);
+      }
       for (int j = 0; j < 4; ++j) sum[j] = _mm256_add_ps(sum[j], _mm256_mul_ps(q[j], sv));
     }
     for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + (i - e) + 8 * j, sum[j]);
@@ -443,7 +447,7 @@ inline void prefetch_ahead(const uint8_t* const* rows, int64_t chunks, int64_t n
     for (int64_t c = 0; c < chunks; ++c) {
       float s;
       std::memcpy(&s, rows[c] + 4 * k, 4);
-      sum = _mm256_add_ps(sum, _mm256_mul_ps(codes8(rows[c] + 4 * nb, i, 4), _mm256_set1_ps(s)));
+      sum = _mm256_add_ps(sum, _mm256_mul_ps(codes8(rows[c] + 4 * nb, i, kBits), _mm256_set1_ps(s)));
     }
     _mm256_storeu_ps(out + (i - e), sum);
   }
@@ -455,31 +459,21 @@ inline void prefetch_ahead(const uint8_t* const* rows, int64_t chunks, int64_t n
 // each 8 values share one scale per row.
 inline void reduce_rows(const uint8_t* const* rows, int64_t chunks, int64_t length, int bits, int64_t block,
                         int64_t e0, int64_t n, float* acc) {
-  if (chunks == 0) return std::fill(acc, acc + n, 0.0f);  // (the row-by-row loop below writes nothing then)
+  if (chunks == 0) return std::fill(acc, acc + n, 0.0f);
   const int64_t nb = num_blocks(length, block);
   for (int64_t e = e0; e < e0 + n;) {
     const int64_t k = e / block;
     const int64_t stop = std::min(e0 + n, (k + 1) * block);
+    // INT8 too sums in registers with the prefetches. It used to sum row by row through acc (L1), which the
+    // hardware prefetchers follow: on the Zen 5 VM that was 11% faster at this level (25.5 against 22.8 GB/s,
+    // 4 rows of 16M values, 2 threads), but that CPU runs the AVX-512 level. On the AVX2-only Zen 3 VM, where
+    // this level is the one that runs, the register sums were 42% faster (deq_red_quant INT8, 16M values, 2
+    // threads: 8.75 against 6.15 GB/s, medians of 3 alternating rounds; 11.25 against 8.42 at 4M).
     if (bits == 8) {
-      // INT8 row by row over the block, the running sums in acc (L1): the rows are then read in runs of
-      // the block's bytes, which the hardware prefetchers follow at every row length. At this level the
-      // prefetches below cost INT8 more than these extra loads and stores (4 rows of 16M values, cold, 2
-      // threads: 22.8 GB/s with them, 25.5 row by row; rows of 4M: 20.5 and 21.4, alternating runs). INT4
-      // row by row measured 25-35% slower (half the bytes per run, the same loads and stores of acc), so it
-      // keeps the sums in registers and the prefetches.
-      for (int64_t c = 0; c < chunks; ++c) {
-        float s;
-        std::memcpy(&s, rows[c] + 4 * k, 4);
-        const __m256 sv = _mm256_set1_ps(s);
-        for (int64_t i = e; i < stop; i += 8) {
-          const __m256 prev = c == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + (i - e0));
-          _mm256_storeu_ps(acc + (i - e0), _mm256_add_ps(prev, _mm256_mul_ps(codes8(rows[c] + 4 * nb, i, 8), sv)));
-        }
-      }
-      e = stop;
-      continue;
+      reduce_block<8>(rows, chunks, nb, k, e, stop, acc + (e - e0));
+    } else {
+      reduce_block<4>(rows, chunks, nb, k, e, stop, acc + (e - e0));
     }
-    reduce_block_int4(rows, chunks, nb, k, e, stop, acc + (e - e0));
     e = stop;
   }
 }
