@@ -467,8 +467,9 @@ inline void reduce_rows(const uint8_t* const* rows, int64_t chunks, int64_t leng
     // INT8 too sums in registers with the prefetches. It used to sum row by row through acc (L1), which the
     // hardware prefetchers follow: on the Zen 5 VM that was 11% faster at this level (25.5 against 22.8 GB/s,
     // 4 rows of 16M values, 2 threads), but that CPU runs the AVX-512 level. On the AVX2-only Zen 3 VM, where
-    // this level is the one that runs, the register sums were 42% faster (deq_red_quant INT8, 16M values, 2
-    // threads: 8.75 against 6.15 GB/s, medians of 3 alternating rounds; 11.25 against 8.42 at 4M).
+    // this level is the one that runs, the register sums were faster: deq_red_quant INT8 at 2 threads, 6.62 ->
+    // 10.58 GB/s at 16M values and 8.88 -> 11.42 at 4M, medians of 7 alternating rounds
+    // (docs/bench/2026-11-28-int8-fused-zen3).
     if (bits == 8) {
       reduce_block<8>(rows, chunks, nb, k, e, stop, acc + (e - e0));
     } else {
