@@ -88,7 +88,7 @@ def main() -> None:
                  "-o", str(out / f"{name}.o")] for name in BINDINGS]
     # The compiles are independent: one per core (each is single-threaded).
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=max(1, min(len(os.sched_getaffinity(0)), 6))) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, min(len(os.sched_getaffinity(0)), len(kernels) + len(bindings)))) as pool:
         seconds = list(pool.map(run, kernels + bindings))
     t_kernels, t_binding = sum(seconds[:len(kernels)]), sum(seconds[len(kernels):])
     sass = ", ".join(f"sm_{a.code}" for a in archs)

@@ -10,7 +10,9 @@ import os
 import sys
 import traceback
 
-for _name in filter(None, os.environ.get("ZPP_FORKSERVER_PRELOAD", "").split(",")):
+from megatron_zpp.testing.spawn import _PRELOAD_ENV  # (the package imports spawn anyway)
+
+for _name in filter(None, os.environ.get(_PRELOAD_ENV, "").split(",")):
     try:
         importlib.import_module(_name)
     except BaseException:  # noqa: BLE001 - anything, a warning made an error included: the server must live
