@@ -52,6 +52,36 @@ def test_sdp4bit_speed_sweep_expands():
     assert {p.rate for p in points} == {"25mbit", "100mbit", "unshaped"} and {p.iters for p in points} == {16}
 
 
+def test_tiny_batch_sweep_expands_and_its_batch_reaches_the_trainer(monkeypatch, tmp_path):
+    points, skipped = sweep.SweepConfig.load(SWEEPS / "sdp4bit-tiny-batch.yaml").grid()
+    assert skipped == [] and {(p.micro_batch_size, p.global_batch_size) for p in points} == {(1, 4)}
+    assert {p.path for p in points} == {"distopt", "fsdp"} and len(points) == 3 * 3 * 2
+    launches = sweep.group_launches(points)
+    # What the launch hands the trainer: the point's batch after the model's (Megatron's parser keeps the last).
+    seen = {}
+    monkeypatch.setattr(sweep.bench_training, "launch",
+                        lambda cluster, path, rate, policies, **kw: seen.update(kw) or (None, {}))
+    sweep.run_launch(None, launches[0], sweep.RunOptions(out_dir=tmp_path))
+    from megatron_zpp.training.arguments import build_parser
+
+    args = build_parser().parse_args(sweep.bench_training.MODEL_ARGS + seen["model_extra"])
+    assert (args.micro_batch_size, args.global_batch_size) == (1, 4)
+    # The make-train batch by default, so the older sweep files keep their runs.
+    args = build_parser().parse_args(sweep.bench_training.MODEL_ARGS + sweep.GridPoint(policy="fair", rate="1gbit").batch_flags)
+    assert (args.micro_batch_size, args.global_batch_size) == (4, 32)
+
+
+def test_sweep_median_refuses_repeats_of_different_batches(tmp_path):
+    import sweep_median
+
+    fields = "path,rate,policy,seconds_per_iteration,micro_batch_size,global_batch_size\n"
+    (tmp_path / "a.csv").write_text(fields + "distopt,25mbit,zeropp,1.0,1,4\n")
+    (tmp_path / "b.csv").write_text(fields + "distopt,25mbit,zeropp,3.0,4,32\n")
+    with pytest.raises(ValueError, match=r"zeropp@25mbit ran at batch \(micro, global\) \('4', '32'\)"):
+        sweep_median.load([tmp_path / "a.csv", tmp_path / "b.csv"])
+    assert len(sweep_median.load([tmp_path / "a.csv", tmp_path / "a.csv"])[("distopt", "25mbit", "zeropp")]) == 2
+
+
 def test_sweep_median_takes_the_median_of_repeats_and_its_ratios(tmp_path):
     import sweep_median
 
@@ -75,6 +105,11 @@ def test_sweep_median_takes_the_median_of_repeats_and_its_ratios(tmp_path):
     (config(policy=["megatron"], rate=["fast"]), "rate 'fast' must be a positive number with a unit in bit"),
     (config(policy=["megatron"], rate=["1gbit"], path=["zero3"]), "'path': 'zero3': valid: distopt, fsdp"),
     (config(policy=["megatron"], rate=["1gbit"], iters=1), "'iters': 1 must be an integer >= 2"),
+    (config(policy=["megatron"], rate=["1gbit"], global_batch_size=6),
+     "'global_batch_size': 6 is not a multiple of micro_batch_size x nodes x ranks_per_node = 4 x 2 x 2 = 16"),
+    (config(policy=["megatron"], rate=["1gbit"], micro_batch_size=0), "'micro_batch_size': 0 must be an integer >= 1"),
+    (config(policy=["megatron"], rate=["1gbit"], micro_batch_size=1, global_batch_size=[4, 8]),
+     "'global_batch_size': [4, 8]: one value per sweep file"),
     (config(policy=["megatron"]), "parameter(s) rate missing; required: policy, rate"),
     (config(policy=["megatron"], rate=["1gbit"]) | {"methd": "grid"}, "unknown key(s) 'methd'; valid"),
     (config(policy=["megatron"], rate=["1gbit"]) | {"method": "hyperband"}, "method 'hyperband': valid: grid"),
@@ -104,15 +139,15 @@ def test_local_expands_grid_only(capsys):
 # ------------------------------------------------------------------ launches
 def test_points_group_into_one_launch_per_layout_path_rate():
     c = sweep.SweepConfig.from_dict(config(policy=["megatron", "qwz", "hpz"], rate=["25mbit", "unshaped"],
-                                           path=["distopt", "fsdp"], nodes=[2, 3]))
+                                           path=["distopt", "fsdp"], nodes=[2, 4]))
     points, skipped = c.grid()
     assert len(skipped) == 4  # hpz x distopt x 2 rates x 2 layouts
     launches = sweep.group_launches(points)
     assert [(x.nodes, x.path, x.rate, x.policies) for x in launches] == [
         (2, "distopt", "25mbit", ["megatron", "qwz"]), (2, "fsdp", "25mbit", ["megatron", "qwz", "hpz"]),
         (2, "distopt", "unshaped", ["megatron", "qwz"]), (2, "fsdp", "unshaped", ["megatron", "qwz", "hpz"]),
-        (3, "distopt", "25mbit", ["megatron", "qwz"]), (3, "fsdp", "25mbit", ["megatron", "qwz", "hpz"]),
-        (3, "distopt", "unshaped", ["megatron", "qwz"]), (3, "fsdp", "unshaped", ["megatron", "qwz", "hpz"])]
+        (4, "distopt", "25mbit", ["megatron", "qwz"]), (4, "fsdp", "25mbit", ["megatron", "qwz", "hpz"]),
+        (4, "distopt", "unshaped", ["megatron", "qwz"]), (4, "fsdp", "unshaped", ["megatron", "qwz", "hpz"])]
     assert sum(len(x.points) for x in launches) == len(points)
 
 
@@ -124,7 +159,8 @@ def test_wandb_flags_are_trainer_flags():
     assert (args.wandb_project, args.wandb_exp_name, args.wandb_group, args.wandb_job_type) == \
         ("p", "qgz@25mbit", "g", "fsdp")
     assert parse_wandb_config(args.wandb_config) == {"policy": "qgz", "rate": "25mbit", "path": "fsdp",
-                                                     "layout": "2x2", "iters": 6, "log_interval": 2}
+                                                     "layout": "2x2", "iters": 6, "log_interval": 2,
+                                                     "micro_batch_size": 4, "global_batch_size": 32}
     with pytest.raises(ValueError, match="expected KEY=VALUE"):
         parse_wandb_config(["rate"])
 

@@ -39,9 +39,12 @@ sys.path.insert(0, str(REPO / "tools"))
 from megatron_zpp.training.arguments import PROJECT_RECIPE  # noqa: E402
 
 # The make-train model: 4 layers, hidden 256, sequence 256, global batch 32, fp32 (bf16 GEMMs on
-# CPU take ~45 s/iteration and would hide every link effect).
+# CPU take ~45 s/iteration and would hide every link effect). tools/sweep.py's batch parameters default to
+# this batch.
+MICRO_BATCH_SIZE, GLOBAL_BATCH_SIZE = 4, 32
 MODEL_ARGS = PROJECT_RECIPE + ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
-              "--micro-batch-size", "4", "--global-batch-size", "32", "--lr", "1e-3", "--min-lr", "1e-4",
+              "--micro-batch-size", str(MICRO_BATCH_SIZE),
+              "--global-batch-size", str(GLOBAL_BATCH_SIZE), "--lr", "1e-3", "--min-lr", "1e-4",
               "--lr-warmup-iters", "2", "--eval-iters", "0",
               # ~7 buckets of the 3.3M parameters (Megatron's default makes one, which no collective can
               # overlap): as a large model has, so gradient reduce-scatters overlap the backward pass and

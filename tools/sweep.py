@@ -8,7 +8,8 @@ The sweep file is W&B's own format (``name``, ``method``, ``metric``, ``paramete
 or ``value``, ``program``, ``command``), so the same file drives ``wandb sweep``. Parameters:
 ``policy`` (``megatron``, ``fair``, ``qwz``, ``hpz``, ``qgz`` or a preset in ``configs/policies``),
 ``rate`` (tc units, or ``unshaped``), ``path`` (``distopt``, ``fsdp``), and optionally ``iters``,
-``log_interval``, ``nodes``, ``ranks_per_node``.
+``log_interval``, ``nodes``, ``ranks_per_node``, ``micro_batch_size`` and ``global_batch_size`` (the
+make-train model's 4 and 32 unless set; 1 and the rank count is the tiny-batch-per-GPU regime of a large job).
 
 ``--local`` expands the grid itself (no W&B server): grid points are grouped by (layout, path,
 rate, iterations) and each group is one ``torchrun`` launch on one emulated cluster that trains
@@ -58,7 +59,7 @@ METHODS = ("grid", "random", "bayes")
 # Summary keys the trainer writes to each W&B run (log.py), usable as the sweep's metric.
 METRICS = ("tokens_per_s", "seconds_per_iteration", "final_loss", "inter_bytes_per_iteration",
            "nic_payload_bytes_per_iteration")
-RESULT_FIELDS = bench_training.FIELDS + ["layout"]
+RESULT_FIELDS = bench_training.FIELDS + ["layout", "micro_batch_size", "global_batch_size"]
 TABLE_FIELDS = ["path", "rate", "policy", "ms_per_iteration", "tokens_per_s", "speedup_vs_megatron",
                 "speedup_vs_fair", "inter_MB_counted", "inter_MB_measured", "final_loss", "wandb_run"]
 DEFAULT_PROJECT = "megatron_zpp-sweeps"
@@ -83,10 +84,27 @@ class GridPoint:
     """Emulated nodes."""
     ranks_per_node: int = 2
     """gloo ranks per emulated node."""
+    micro_batch_size: int = bench_training.MICRO_BATCH_SIZE
+    """Sequences per rank per micro-batch (Megatron's --micro-batch-size)."""
+    global_batch_size: int = bench_training.GLOBAL_BATCH_SIZE
+    """Sequences per iteration over all data-parallel ranks (Megatron's --global-batch-size): a multiple of
+    micro_batch_size x nodes x ranks_per_node (every rank is a data-parallel rank here). Equal to that product,
+    each rank runs one micro-batch per iteration, so the next step's parameter gathers can overlap only that
+    one forward pass: the regime of a large job with a tiny batch per GPU, where communication bounds a step."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             check_value(f.name, getattr(self, f.name), ranks_per_node=self.ranks_per_node)
+        per_iteration = self.micro_batch_size * self.nodes * self.ranks_per_node
+        if self.global_batch_size % per_iteration:
+            raise ValueError(f"parameter 'global_batch_size': {self.global_batch_size} is not a multiple of "
+                             f"micro_batch_size x nodes x ranks_per_node = {self.micro_batch_size} x {self.nodes} x "
+                             f"{self.ranks_per_node} = {per_iteration}")
+
+    @property
+    def batch_flags(self) -> list[str]:
+        """The trainer's batch flags for this point (after the model's, so these win)."""
+        return ["--micro-batch-size", str(self.micro_batch_size), "--global-batch-size", str(self.global_batch_size)]
 
     @property
     def run_name(self) -> str:
@@ -104,6 +122,7 @@ class GridPoint:
 
 
 PARAMETERS = {f.name: f for f in dataclasses.fields(GridPoint)}
+ONE_VALUE_PER_SWEEP = ("micro_batch_size", "global_batch_size")
 REQUIRED = tuple(name for name, f in PARAMETERS.items() if f.default is dataclasses.MISSING)
 
 
@@ -122,8 +141,9 @@ def check_value(name: str, value, ranks_per_node: int = 2) -> None:
     elif name == "path":
         if value not in bench_training.PATHS:
             raise ValueError(f"parameter 'path': {value!r}: valid: {', '.join(bench_training.PATHS)}")
-    elif name in ("iters", "log_interval", "nodes", "ranks_per_node"):
-        low = {"iters": 2, "log_interval": 1, "nodes": 2, "ranks_per_node": 1}[name]
+    elif name in ("iters", "log_interval", "nodes", "ranks_per_node", "micro_batch_size", "global_batch_size"):
+        low = {"iters": 2, "log_interval": 1, "nodes": 2, "ranks_per_node": 1, "micro_batch_size": 1,
+               "global_batch_size": 1}[name]
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             why = {"iters": " (the first iteration is not timed)", "nodes": " (a sweep over inter-node rates)"}
             raise ValueError(f"parameter {name!r}: {value!r} must be an integer >= {low}{why.get(name, '')}")
@@ -190,12 +210,21 @@ class SweepConfig:
                     check_value(name, v)
                 except ValueError as e:
                     raise ValueError(f"{where}{e}") from None
+            if name in ONE_VALUE_PER_SWEEP and len(vals) > 1:
+                raise ValueError(f"{where}parameter {name!r}: {vals!r}: one value per sweep file (its runs are "
+                                 "named policy@rate and its tables keyed by path and rate); give each batch its "
+                                 "own sweep file")
             values[name] = vals
         missing = [n for n in REQUIRED if n not in values]
         if missing:
             raise ValueError(f"{where}parameter(s) {', '.join(missing)} missing; required: {', '.join(REQUIRED)}")
-        return cls(name=str(data.get("name") or (source.stem if source else "sweep")), method=method, metric=metric,
-                   parameters=values, raw=data, source=source)
+        config = cls(name=str(data.get("name") or (source.stem if source else "sweep")), method=method,
+                     metric=metric, parameters=values, raw=data, source=source)
+        try:
+            config.grid()  # the checks that span parameters (the batch against the layout)
+        except ValueError as e:
+            raise ValueError(f"{where}{e}") from None
+        return config
 
     def grid(self) -> tuple[list[GridPoint], list[tuple[GridPoint, str]]]:
         """Every combination, in the file's order: ``(runnable points, [(skipped point, why)])``."""
@@ -217,7 +246,7 @@ class SweepConfig:
 
 @dataclass
 class Launch:
-    """Grid points that share one emulated launch: same layout, path, rate and iterations."""
+    """Grid points that share one emulated launch: same layout, path, rate, iterations and batch."""
 
     nodes: int
     ranks_per_node: int
@@ -225,6 +254,8 @@ class Launch:
     rate: str
     iters: int
     log_interval: int
+    micro_batch_size: int
+    global_batch_size: int
     points: list[GridPoint] = field(default_factory=list)
 
     @property
@@ -236,7 +267,8 @@ def group_launches(points: list[GridPoint]) -> list[Launch]:
     """Group points into launches, layouts contiguous (one cluster each), first-seen order otherwise."""
     launches: dict[tuple, Launch] = {}
     for p in points:
-        key = (p.nodes, p.ranks_per_node, p.path, p.rate, p.iters, p.log_interval)
+        key = (p.nodes, p.ranks_per_node, p.path, p.rate, p.iters, p.log_interval, p.micro_batch_size,
+               p.global_batch_size)
         launch = launches.setdefault(key, Launch(*key))
         if p.policy not in launch.policies:  # a policy twice in 'values' trains once
             launch.points.append(p)
@@ -251,7 +283,8 @@ def wandb_flags(point: GridPoint, *, project: str, save_dir: Path, group: str | 
     if group:
         flags += ["--wandb-group", group]
     for key, value in (("policy", point.policy), ("rate", point.rate), ("path", point.path),
-                       ("layout", point.layout), ("iters", point.iters), ("log_interval", point.log_interval)):
+                       ("layout", point.layout), ("iters", point.iters), ("log_interval", point.log_interval),
+                       ("micro_batch_size", point.micro_batch_size), ("global_batch_size", point.global_batch_size)):
         flags += ["--wandb-config", f"{key}={value}"]
     return flags
 
@@ -289,17 +322,18 @@ def run_launch(cluster, launch: Launch, opts: RunOptions) -> tuple[list[dict], l
     """Train a launch's policies on ``cluster``; ``(rows, policies that produced no summary)``."""
     extra = {p.policy: wandb_flags(p, project=opts.project, save_dir=opts.out_dir, group=opts.group)
              for p in launch.points}
-    print(f"\n=== {launch.path}, inter-node {launch.rate}, {launch.nodes}x{launch.ranks_per_node}: "
-          f"{', '.join(launch.policies)}", flush=True)
+    print(f"\n=== {launch.path}, inter-node {launch.rate}, {launch.nodes}x{launch.ranks_per_node}, batch "
+          f"{launch.micro_batch_size}/{launch.global_batch_size}: {', '.join(launch.policies)}", flush=True)
     t0 = time.monotonic()
     _, summaries = bench_training.launch(cluster, launch.path, launch.rate, launch.policies, iters=launch.iters,
                                          log_interval=launch.log_interval, log_dir=opts.out_dir,
                                          timeout=opts.timeout, python=opts.python, verbose=opts.verbose,
-                                         extra_flags=extra)
+                                         extra_flags=extra, model_extra=launch.points[0].batch_flags)
     rows = []
     for name, s in summaries.items():
         row = bench_training.summary_row(launch.path, launch.rate, name, s) | {
-            "layout": f"{launch.nodes}x{launch.ranks_per_node}"}
+            "layout": f"{launch.nodes}x{launch.ranks_per_node}", "micro_batch_size": launch.micro_batch_size,
+            "global_batch_size": launch.global_batch_size}
         rows.append(row)
         print(bench_training.row_text(row), flush=True)
     print(f"    ({time.monotonic() - t0:.0f} s for this launch)", flush=True)
@@ -348,7 +382,7 @@ def run_one(point: GridPoint, opts: RunOptions) -> dict | None:
     terminate_like_ctrl_c()  # a kill from timeout/SLURM still removes the namespaces
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     launch = Launch(point.nodes, point.ranks_per_node, point.path, point.rate, point.iters, point.log_interval,
-                    [point])
+                    point.micro_batch_size, point.global_batch_size, [point])
     with EmulatedCluster(NetemuConfig(nodes=point.nodes, ranks_per_node=point.ranks_per_node)) as cluster:
         rows, _ = run_launch(cluster, launch, opts)
     _append_rows(opts.out_dir / "results.csv", rows)
@@ -596,7 +630,8 @@ def _main(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
                   + (f", {len(skipped)} skipped" if skipped else ""))
             for launch in launches:
                 print(f"  {launch.nodes}x{launch.ranks_per_node} {launch.path:8s} {launch.rate:9s} "
-                      f"{launch.iters} iterations: {', '.join(launch.policies)}")
+                      f"{launch.iters} iterations, batch {launch.micro_batch_size}/{launch.global_batch_size}: "
+                      f"{', '.join(launch.policies)}")
             for point, why in skipped:
                 print(f"  skipped {point.path} {point.run_name}: {why}")
             return 0

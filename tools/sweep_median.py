@@ -21,8 +21,18 @@ def load(paths: list[Path]) -> dict[tuple[str, str, str], list[dict]]:
     for path in paths:
         with open(path) as f:
             for row in csv.DictReader(f):
-                rows[(row["path"], row["rate"], row["policy"])].append(row)
+                runs = rows[(row["path"], row["rate"], row["policy"])]
+                batch = _batch(row)
+                if runs and _batch(runs[0]) != batch:
+                    raise ValueError(f"{path}: {row['path']} {row['policy']}@{row['rate']} ran at batch (micro, global) "
+                                     f"{batch}, an earlier file's at {_batch(runs[0])}: give one batch's results only")
+                runs.append(row)
     return rows
+
+
+def _batch(row: dict) -> tuple[str, str]:
+    """(micro, global) batch size of a row; empty for files from before tools/sweep.py recorded it."""
+    return row.get("micro_batch_size") or "", row.get("global_batch_size") or ""
 
 
 def table(rows: dict[tuple[str, str, str], list[dict]], against: list[str]) -> list[dict]:
@@ -52,11 +62,18 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=Path, default=None, help="write median.csv and median.md here")
     args = p.parse_args(argv)
     against = [a for a in args.against.split(",") if a]
-    out = table(load(args.results), against)
+    try:
+        loaded = load(args.results)
+    except ValueError as e:
+        p.error(str(e))
+    out = table(loaded, against)
+    batches = {_batch(runs[0]) for runs in loaded.values()} - {("", "")}
     header = ["path", "rate", "policy", "runs", "ms_per_iteration", "spread"] + [f"x_{b}" for b in against] + \
              ["inter_MB_counted", "inter_MB_measured", "final_loss"]
     lines = [f"Median of {len(args.results)} runs ({', '.join(str(r) for r in args.results)}); x_P: P's median "
-             "ms/iteration over this row's (> 1: faster than P); spread: (max - min) / median", "",
+             "ms/iteration over this row's (> 1: faster than P); spread: (max - min) / median"
+             + "".join(f"; batch {mb} per rank per micro-batch, {gb} per iteration" for mb, gb in sorted(batches)),
+             "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(e[h]) for h in header) + " |" for e in out]
     print("\n".join(lines))
