@@ -3,6 +3,7 @@
     sudo python tools/calibrate.py --emulate --nodes 2 --ranks-per-node 2 --rate 100mbit \\
         --out configs/clusters/emulated-2x2.yaml                  # builds the emulated cluster (tools/netemu.py)
     torchrun --nnodes N --nproc-per-node G ... tools/calibrate.py --out cluster.yaml [--rate 100gbit]   # real
+    python tools/calibrate.py --add-iteration WORKLOAD.yaml --out configs/clusters/emulated-2x2.yaml   # one more shape
 
 Every measurement runs on all ranks at once, as in training (on the emulated cluster 4 ranks share 2 cores, so a
 rank alone would be twice as fast as it ever is in a job). What is measured, and which primitive:
@@ -25,6 +26,13 @@ rank alone would be twice as fast as it ever is in a job). What is measured, and
   (``optimizer_params_per_s``; fixed part + the step's small collectives -> ``optimizer_overhead_s``).
 
 Every loop is bounded in count and in time; the emulated 2x2 calibration takes about two minutes.
+
+``--add-iteration WORKLOAD`` measures one more workload's no-communication iteration on this host (as the emulated
+calibration does for ``--workload``: as many processes at once as the cluster has ranks, all on this host) and adds
+it to the existing ``--out`` YAML, every other line kept. The model uses a measured iteration only for a workload
+of exactly its shape, micro-batch included; elsewhere it scales the layer's FLOPs, which leaves out the framework's
+per-micro-batch and per-step overhead (at micro-batch 1 on the emulated cluster it predicted a fifth of the
+measured step: docs/bench/2026-11-28-sdp4bit-tiny-batch).
 """
 
 from __future__ import annotations
@@ -47,8 +55,9 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
 from megatron_zpp.training.arguments import PROJECT_RECIPE  # noqa: E402
-from megatron_zpp.training.calibration import (Calibration, Fit, Probe, cluster_fields, cluster_yaml,  # noqa: E402,F401
-                                             fit_alpha_beta, layer_forward_flops, parse_size, write_cluster)
+from megatron_zpp.training.calibration import (Calibration, Fit, Probe, add_measured_iteration,  # noqa: E402,F401
+                                             cluster_fields, cluster_yaml, fit_alpha_beta, layer_forward_flops,
+                                             parse_size, write_cluster)
 
 DEFAULT_SIZES = "64K,256K,1M,4M,8M"
 # Benchmark model of tools/bench_training.py (configs/workloads/tiny-gpt-2x2.yaml).
@@ -466,6 +475,26 @@ def emulate(a, command: str) -> int:
     return finish(c, a, command)
 
 
+def add_iteration(a, command: str) -> int:
+    """--add-iteration: the workload's no-communication iteration, measured with the YAML's optimizer rate
+    subtracted, added to the existing cluster YAML ``--out``."""
+    from megatron_zpp.perfmodel import load_cluster
+
+    cluster = load_cluster(Path(a.out))
+    a.workload = a.add_iteration
+    # The Adam time the measurement subtracts: the YAML's fitted rate, and its fixed part (which includes the
+    # step's small collectives, under 2 ms on the emulated cluster: an upper bound of a DP-1 run's).
+    a.optimizer_rate_for_iteration = cluster.optimizer_params_per_s
+    a.optimizer_fixed_for_iteration = max(cluster.optimizer_overhead_s, 0.0)
+    it = measure_iteration(a, cluster.nodes * cluster.ranks_per_node)
+    note = f"added {time.strftime('%Y-%m-%d')} on {machine()}: {command}"
+    add_measured_iteration(Path(a.out), it, it, note)
+    print(f"calibrate: no-communication iteration at micro-batch {it['micro_batch']}: {it['step_s'] * 1e3:.0f} ms "
+          f"(slowest of {len(it['per_process_s'])}), {it['fwd_bwd_s'] * 1e3:.0f} ms per micro-batch; added to {a.out}",
+          flush=True)
+    return 0
+
+
 def worker_main(a, command: str) -> int:
     import torch.distributed as dist
 
@@ -514,6 +543,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", default=str(REPO / "configs" / "workloads" / "tiny-gpt-2x2.yaml"),
                    help="emulated: also time this workload's training iteration without communication "
                         "(measured_iterations; '' skips it) (%(default)s)")
+    p.add_argument("--add-iteration", metavar="WORKLOAD", default=None,
+                   help="only measure WORKLOAD's no-communication iteration on this host and add it to the existing "
+                        "cluster YAML --out (no network measurement, no root)")
     p.add_argument("--iteration-iters", type=int, default=6,
                    help="iterations of each no-communication run (the first is not timed) (%(default)s)")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl with GPUs, else gloo")
@@ -542,6 +574,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     if a.worker_json is None and not a.out:
         p.error("--out is required")
+    if a.add_iteration:
+        if not Path(a.out).is_file():
+            p.error(f"--add-iteration adds to an existing cluster YAML: --out {a.out!r} is not a file")
+        try:
+            return add_iteration(a, "python tools/calibrate.py " + " ".join(shlex.quote(x) for x in argv))
+        except (ValueError, FileNotFoundError) as e:
+            p.error(str(e))
     a.name = a.name or (Path(a.out).stem if a.out else "cluster")
     a.rate_label = a.rate_label or a.rate or "unshaped"
     if a.emulate:

@@ -201,12 +201,7 @@ def cluster_yaml(fields: dict, c: Calibration | None = None, writer: str = "tool
                         f"{100 * c.layer['spread']:.1f}%)" if c else ""))
     lines.append("measured_iterations:" + ("" if fields["measured_iterations"] else " []"))
     for m in fields["measured_iterations"]:
-        lines.append(f"  - {{layers: {m['layers']}, hidden: {m['hidden']}, seq_length: {m['seq_length']}, "
-                     f"micro_batch: {m['micro_batch']}, vocab: {m['vocab']}, fwd_bwd_s: {_num(m['fwd_bwd_s'])}}}"
-                     + (f"  # pretrain_gpt.py without communication, {len(c.iteration['per_process_s'])} processes "
-                        f"at once, step {c.iteration['step_s'] * 1e3:.0f} ms (slowest; all: "
-                        + ", ".join(f"{t * 1e3:.0f}" for t in c.iteration["per_process_s"]) + " ms)"
-                        if c and c.iteration else ""))
+        lines.append(measured_iteration_line(m, c.iteration if c else None))
     lines.append(f"gamma: {fields['gamma']:.4f}                  # layer time with background all-reduces / alone"
                  + (f" (measured {c.gamma:.4f}" + ("" if c.gamma_covered else
                                                    ", background ended early: a lower bound") + ")" if c else ""))
@@ -227,6 +222,18 @@ def cluster_yaml(fields: dict, c: Calibration | None = None, writer: str = "tool
     return "\n".join(lines) + "\n"
 
 
+def measured_iteration_line(m: dict, measured: dict | None = None, note: str = "") -> str:
+    """One ``measured_iterations`` entry of the YAML; ``measured`` (``measure_iteration``'s dict) adds its
+    processes' times as a comment, ``note`` a word on where the entry came from."""
+    line = (f"  - {{layers: {m['layers']}, hidden: {m['hidden']}, seq_length: {m['seq_length']}, "
+            f"micro_batch: {m['micro_batch']}, vocab: {m['vocab']}, fwd_bwd_s: {_num(m['fwd_bwd_s'])}}}")
+    if measured:
+        line += (f"  # pretrain_gpt.py without communication, {len(measured['per_process_s'])} processes at once, "
+                 f"step {measured['step_s'] * 1e3:.0f} ms (slowest; all: "
+                 + ", ".join(f"{t * 1e3:.0f}" for t in measured["per_process_s"]) + " ms)")
+    return line + (f"; {note}" if note else "")
+
+
 def write_cluster(path: Path, fields: dict, c: Calibration | None = None, writer: str = "tools/calibrate.py"):
     """Write the YAML, then load it back with ``load_cluster`` (the file must be valid, or nothing is kept)."""
     from megatron_zpp.perfmodel import load_cluster
@@ -235,6 +242,46 @@ def write_cluster(path: Path, fields: dict, c: Calibration | None = None, writer
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(cluster_yaml(fields, c, writer))
+    try:
+        cluster = load_cluster(tmp)
+    except ValueError:
+        tmp.unlink()
+        raise
+    tmp.replace(path)
+    return cluster
+
+
+def add_measured_iteration(path: Path, entry: dict, measured: dict | None = None, note: str = ""):
+    """Add one ``measured_iterations`` entry to the cluster YAML at ``path``, or replace the entry of the same
+    shape (layers, hidden, sequence, micro-batch, vocabulary), keeping every other line as written; then load it
+    back with ``load_cluster`` (an invalid result keeps the old file). Returns the loaded cluster."""
+    import yaml
+
+    from megatron_zpp.perfmodel import load_cluster
+
+    path = Path(path)
+    lines = path.read_text().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.split("#")[0].rstrip() in ("measured_iterations:",
+                                                                                  "measured_iterations: []")]
+    if len(starts) != 1:
+        raise ValueError(f"{path}: expected one 'measured_iterations:' line (a YAML written by tools/calibrate.py), "
+                         f"found {len(starts)}")
+    head = starts[0]
+    lines[head] = "measured_iterations:"
+    end = head + 1
+    while end < len(lines) and lines[end].startswith("  - "):
+        end += 1
+    shape = ("layers", "hidden", "seq_length", "micro_batch", "vocab")
+    new = measured_iteration_line(entry, measured, note)
+    for i in range(head + 1, end):
+        old = yaml.safe_load(lines[i])[0]
+        if all(old.get(k) == entry[k] for k in shape):
+            lines[i] = new
+            break
+    else:
+        lines.insert(end, new)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
     try:
         cluster = load_cluster(tmp)
     except ValueError:
