@@ -52,23 +52,69 @@ def test_sdp4bit_speed_sweep_expands():
     assert {p.rate for p in points} == {"25mbit", "100mbit", "unshaped"} and {p.iters for p in points} == {16}
 
 
-def test_tiny_batch_sweep_expands_and_its_batch_reaches_the_trainer(monkeypatch, tmp_path):
+class _CapturingCluster:
+    """netemu's EmulatedCluster as bench_training.launch uses it: records the launch and writes each policy's run
+    summary where the worker would, so the rows are built as after a real launch."""
+
+    def __init__(self, ranks_per_node: int = 2):
+        self.config = type("Config", (), {"ranks_per_node": ranks_per_node})()
+        self.script = None
+
+    def set_rate(self, rate):
+        self.rate = rate
+
+    def run_torchrun(self, script, **kwargs):
+        self.script = script
+        work = Path(script[script.index("--worker") + 1])
+        for name in script[script.index("--policies") + 1].split(","):
+            (work / f"{name}.json").write_text(json.dumps({
+                "iterations": 4, "seconds_per_iteration": 1.0, "tokens_per_s": 1024.0, "inter_bytes": 4e6,
+                "breakdown": {"compute_s": 0.5, "exposed_comm_s": 0.4, "codec_s": 0.1}, "final_loss": 3.7,
+                "dp_replicas_identical": True}))
+        return netemu_result()
+
+
+def netemu_result():
+    import netemu
+
+    return netemu.RunResult(returncode=0, failure=None, seconds=1.0, links=[], output="", outputs=[])
+
+
+def test_tiny_batch_sweep_expands_and_its_batch_reaches_the_trainer(tmp_path):
     points, skipped = sweep.SweepConfig.load(SWEEPS / "sdp4bit-tiny-batch.yaml").grid()
     assert skipped == [] and {(p.micro_batch_size, p.global_batch_size) for p in points} == {(1, 4)}
     assert {p.path for p in points} == {"distopt", "fsdp"} and len(points) == 3 * 3 * 2
-    launches = sweep.group_launches(points)
-    # What the launch hands the trainer: the point's batch after the model's (Megatron's parser keeps the last).
-    seen = {}
-    monkeypatch.setattr(sweep.bench_training, "launch",
-                        lambda cluster, path, rate, policies, **kw: seen.update(kw) or (None, {}))
-    sweep.run_launch(None, launches[0], sweep.RunOptions(out_dir=tmp_path))
+    launch = sweep.group_launches(points)[0]
+    cluster = _CapturingCluster()
+    rows, missing = sweep.run_launch(cluster, launch, sweep.RunOptions(out_dir=tmp_path))
+    # What each policy's trainer parses: the worker's arguments, then the policy's and the W&B flags (as
+    # bench_training.worker builds them), through the trainer's own parser (the last occurrence of a flag wins).
     from megatron_zpp.training.arguments import build_parser
 
-    args = build_parser().parse_args(sweep.bench_training.MODEL_ARGS + seen["model_extra"])
-    assert (args.micro_batch_size, args.global_batch_size) == (1, 4)
+    worker_args = json.loads(cluster.script[cluster.script.index("--worker-args") + 1])
+    extra = json.loads(cluster.script[cluster.script.index("--worker-extra") + 1])
+    for policy in launch.policies:
+        args = build_parser().parse_args(worker_args + sweep.bench_training.policy_flags(policy, 2) + extra[policy])
+        assert (args.micro_batch_size, args.global_batch_size) == (1, 4), policy
+    assert missing == [] and [(r["policy"], r["micro_batch_size"], r["global_batch_size"]) for r in rows] == \
+        [(p, 1, 4) for p in launch.policies]
     # The make-train batch by default, so the older sweep files keep their runs.
-    args = build_parser().parse_args(sweep.bench_training.MODEL_ARGS + sweep.GridPoint(policy="fair", rate="1gbit").batch_flags)
+    default = sweep.Launch(2, 2, "distopt", "25mbit", 4, 2, 4, 32, [sweep.GridPoint(policy="fair", rate="25mbit")])
+    sweep.run_launch(cluster, default, sweep.RunOptions(out_dir=tmp_path))
+    args = build_parser().parse_args(json.loads(cluster.script[cluster.script.index("--worker-args") + 1]))
     assert (args.micro_batch_size, args.global_batch_size) == (4, 32)
+
+
+def test_run_one_takes_the_sweep_files_fixed_parameters(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(sweep, "run_one", lambda point, opts: seen.append(point) or {})
+    tiny = str(SWEEPS / "sdp4bit-tiny-batch.yaml")
+    assert sweep.main([tiny, "--run-one", "--policy=zeropp", "--rate=25mbit", "--out-dir", str(tmp_path)]) == 0
+    assert (seen[-1].micro_batch_size, seen[-1].global_batch_size, seen[-1].iters) == (1, 4, 16)
+    # A flag still wins over the file, in either spelling.
+    assert sweep.main([tiny, "--run-one", "--policy=zeropp", "--rate=25mbit", "--micro-batch-size", "2",
+                       "--global_batch_size=8", "--out-dir", str(tmp_path)]) == 0
+    assert (seen[-1].micro_batch_size, seen[-1].global_batch_size) == (2, 8)
 
 
 def test_sweep_median_refuses_repeats_of_different_batches(tmp_path):
@@ -80,6 +126,13 @@ def test_sweep_median_refuses_repeats_of_different_batches(tmp_path):
     with pytest.raises(ValueError, match=r"zeropp@25mbit ran at batch \(micro, global\) \('4', '32'\)"):
         sweep_median.load([tmp_path / "a.csv", tmp_path / "b.csv"])
     assert len(sweep_median.load([tmp_path / "a.csv", tmp_path / "a.csv"])[("distopt", "25mbit", "zeropp")]) == 2
+    # Files from before the batch was recorded ran at the make-train default, and mix with default-batch files.
+    (tmp_path / "old.csv").write_text("path,rate,policy,seconds_per_iteration\ndistopt,25mbit,zeropp,3.0\n")
+    assert len(sweep_median.load([tmp_path / "old.csv", tmp_path / "b.csv"])[("distopt", "25mbit", "zeropp")]) == 2
+    with pytest.raises(ValueError, match="ran at batch"):
+        sweep_median.load([tmp_path / "old.csv", tmp_path / "a.csv"])
+    assert sweep_median.DEFAULT_BATCH == (str(sweep.bench_training.MICRO_BATCH_SIZE),
+                                          str(sweep.bench_training.GLOBAL_BATCH_SIZE))
 
 
 def test_sweep_median_takes_the_median_of_repeats_and_its_ratios(tmp_path):

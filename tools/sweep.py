@@ -97,9 +97,13 @@ class GridPoint:
             check_value(f.name, getattr(self, f.name), ranks_per_node=self.ranks_per_node)
         per_iteration = self.micro_batch_size * self.nodes * self.ranks_per_node
         if self.global_batch_size % per_iteration:
+            default = (self.micro_batch_size, self.global_batch_size) == (bench_training.MICRO_BATCH_SIZE,
+                                                                         bench_training.GLOBAL_BATCH_SIZE)
             raise ValueError(f"parameter 'global_batch_size': {self.global_batch_size} is not a multiple of "
                              f"micro_batch_size x nodes x ranks_per_node = {self.micro_batch_size} x {self.nodes} x "
-                             f"{self.ranks_per_node} = {per_iteration}")
+                             f"{self.ranks_per_node} = {per_iteration}"
+                             + ("; that batch is the make-train default: set micro_batch_size and global_batch_size "
+                                "for this layout" if default else ""))
 
     @property
     def batch_flags(self) -> list[str]:
@@ -601,11 +605,13 @@ def _main(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         return 0
     if a.run_one:
         given = {n: getattr(a, n) for n in PARAMETERS if getattr(a, n) is not None}
+        config = SweepConfig.load(a.config) if a.config else None
+        if config:  # the file's fixed parameters (a 'value:'), e.g. its batch, unless the flags say otherwise
+            given = {n: v[0] for n, v in config.parameters.items() if len(v) == 1} | given
         missing = [n for n in REQUIRED if n not in given]
         if missing:
             p.error(f"--run-one needs --{' and --'.join(missing)}")
         point = GridPoint(**given)
-        config = SweepConfig.load(a.config) if a.config else None
         name = config.name if config else "run-one"
         opts = RunOptions(out_dir=a.out_dir or REPO / "out" / "sweeps" / name, timeout=a.timeout, python=a.python,
                           verbose=a.verbose, project=a.project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,

@@ -30,8 +30,15 @@ def load(paths: list[Path]) -> dict[tuple[str, str, str], list[dict]]:
     return rows
 
 
+# tools/bench_training.py's MICRO_BATCH_SIZE, GLOBAL_BATCH_SIZE: the batch of every sweep from before tools/sweep.py
+# recorded one (not imported: bench_training pulls in the trainer's arguments, seconds of imports for a table).
+DEFAULT_BATCH = ("4", "32")
+
+
 def _batch(row: dict) -> tuple[str, str]:
-    """(micro, global) batch size of a row; empty for files from before tools/sweep.py recorded it."""
+    """(micro, global) batch size of a row, as text; files from before tools/sweep.py recorded it had the default."""
+    if not row.get("micro_batch_size") and not row.get("global_batch_size"):
+        return DEFAULT_BATCH
     return row.get("micro_batch_size") or "", row.get("global_batch_size") or ""
 
 
@@ -67,7 +74,7 @@ def main(argv=None) -> None:
     except ValueError as e:
         p.error(str(e))
     out = table(loaded, against)
-    batches = {_batch(runs[0]) for runs in loaded.values()} - {("", "")}
+    batches = {_batch(runs[0]) for runs in loaded.values()}
     header = ["path", "rate", "policy", "runs", "ms_per_iteration", "spread"] + [f"x_{b}" for b in against] + \
              ["inter_MB_counted", "inter_MB_measured", "final_loss"]
     lines = [f"Median of {len(args.results)} runs ({', '.join(str(r) for r in args.results)}); x_P: P's median "
