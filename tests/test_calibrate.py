@@ -132,28 +132,30 @@ def test_add_iteration_adds_or_replaces_one_shape_and_the_model_uses_it(tmp_path
     copy.write_text(path.read_text())
     before = load_cluster(copy)
     tiny = load_workload(ROOT / "configs" / "workloads" / "tiny-gpt-2x2.yaml")
-    tiny = dataclasses.replace(tiny, layout=dataclasses.replace(tiny.layout, micro_batch=1, global_batch=4))
+    # A micro-batch the committed file has no measurement of (it has 4, and 1 since 2026-11-28).
+    tiny = dataclasses.replace(tiny, layout=dataclasses.replace(tiny.layout, micro_batch=2, global_batch=8))
     m = tiny.model
-    entry = dict(layers=m.layers, hidden=m.hidden, seq_length=m.seq_length, micro_batch=1, vocab=m.vocab, fwd_bwd_s=0.4)
+    entry = dict(layers=m.layers, hidden=m.hidden, seq_length=m.seq_length, micro_batch=2, vocab=m.vocab, fwd_bwd_s=0.4)
     measured = {"per_process_s": [0.41, 0.43], "step_s": 0.43}
     from_flops = predict(before, tiny, "fair").compute_s
     after = calibrate.add_measured_iteration(copy, entry, measured, note="unit test")
-    assert after.measured_iterations[:-1] == before.measured_iterations and len(after.measured_iterations) == 2
+    n = len(before.measured_iterations)
+    assert after.measured_iterations[:-1] == before.measured_iterations and len(after.measured_iterations) == n + 1
     assert after.measured_iterations[-1].fwd_bwd_s == pytest.approx(0.4)
     assert dataclasses.replace(after, measured_iterations=before.measured_iterations) == before
     # Every other line kept, in order: the file gained exactly the new entry, right after the old one.
     old_lines, new_lines = path.read_text().splitlines(), copy.read_text().splitlines()
-    added = [i for i, x in enumerate(new_lines) if "micro_batch: 1," in x]
+    added = [i for i, x in enumerate(new_lines) if "micro_batch: 2," in x]
     assert len(added) == 1 and new_lines[:added[0]] + new_lines[added[0] + 1:] == old_lines
-    assert "measured_iterations" in new_lines[added[0] - 2] and "unit test" in new_lines[added[0]]
+    assert "measured_iterations" in new_lines[added[0] - 1 - n] and "unit test" in new_lines[added[0]]
     assert predict(after, tiny, "fair").compute_s == pytest.approx(0.4, rel=1e-3) != from_flops
     # The same shape again: replaced, not duplicated.
     again = calibrate.add_measured_iteration(copy, {**entry, "fwd_bwd_s": 0.5})
-    assert len(again.measured_iterations) == 2 and again.measured_iterations[-1].fwd_bwd_s == pytest.approx(0.5)
+    assert len(again.measured_iterations) == n + 1 and again.measured_iterations[-1].fwd_bwd_s == pytest.approx(0.5)
     # An invalid entry keeps the file as it was.
     text = copy.read_text()
     with pytest.raises(ValueError, match="fwd_bwd_s"):
-        calibrate.add_measured_iteration(copy, {**entry, "micro_batch": 2, "fwd_bwd_s": -1.0})
+        calibrate.add_measured_iteration(copy, {**entry, "micro_batch": 3, "fwd_bwd_s": -1.0})
     assert copy.read_text() == text and not (tmp_path / "c.yaml.tmp").exists()
 
 
