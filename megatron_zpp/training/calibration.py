@@ -236,16 +236,22 @@ def measured_iteration_line(m: dict, measured: dict | None = None, note: str = "
 
 def write_cluster(path: Path, fields: dict, c: Calibration | None = None, writer: str = "tools/calibrate.py"):
     """Write the YAML, then load it back with ``load_cluster`` (the file must be valid, or nothing is kept)."""
-    from megatron_zpp.perfmodel import load_cluster
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    return _write_loadable(path, cluster_yaml(fields, c, writer))
+
+
+def _write_loadable(path: Path, text: str):
+    """Write ``text`` to ``path`` only if ``load_cluster`` accepts it (checked on a temporary file, removed
+    whatever the failure); returns the loaded cluster."""
+    from megatron_zpp.perfmodel import load_cluster
+
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(cluster_yaml(fields, c, writer))
+    tmp.write_text(text)
     try:
         cluster = load_cluster(tmp)
-    except ValueError:
-        tmp.unlink()
+    except BaseException:
+        tmp.unlink(missing_ok=True)
         raise
     tmp.replace(path)
     return cluster
@@ -256,8 +262,6 @@ def add_measured_iteration(path: Path, entry: dict, measured: dict | None = None
     shape (layers, hidden, sequence, micro-batch, vocabulary), keeping every other line as written; then load it
     back with ``load_cluster`` (an invalid result keeps the old file). Returns the loaded cluster."""
     import yaml
-
-    from megatron_zpp.perfmodel import load_cluster
 
     path = Path(path)
     lines = path.read_text().splitlines()
@@ -280,15 +284,7 @@ def add_measured_iteration(path: Path, entry: dict, measured: dict | None = None
             break
     else:
         lines.insert(end, new)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    try:
-        cluster = load_cluster(tmp)
-    except ValueError:
-        tmp.unlink()
-        raise
-    tmp.replace(path)
-    return cluster
+    return _write_loadable(path, "\n".join(lines) + "\n")
 
 
 def fit_or_bound(nbytes: list[float], seconds: list[float], steps: int = 1) -> Fit:
