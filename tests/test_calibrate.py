@@ -290,6 +290,38 @@ def test_emulated_link_efficiency_is_plausible():
     assert math.isfinite(efficiency)
 
 
+def test_add_iteration_keeps_the_files_form(tmp_path):
+    """The edit keeps what it does not own: the block line's comment, CRLF endings, comment lines between entries;
+    a note without timings stays a comment; a shape listed twice ends up once."""
+    base = (ROOT / "configs" / "clusters" / "emulated-2x2.yaml").read_text()
+    head, rest = base.split("measured_iterations:\n", 1)
+    body = rest.split("gamma:", 1)[1]
+    entry = dict(layers=4, hidden=256, seq_length=256, micro_batch=3, vocab=257, fwd_bwd_s=0.7)
+    from megatron_zpp.training.calibration import measured_iteration_line as line
+    # '[]' with a comment; CRLF; a note alone.
+    path = tmp_path / "a.yaml"
+    path.write_bytes((head + "measured_iterations: []  # none yet\ngamma:" + body).replace("\n", "\r\n").encode())
+    c = calibrate.add_measured_iteration(path, entry, note="by hand")
+    raw = path.read_bytes().decode()
+    assert "\n" not in raw.replace("\r\n", "") and "measured_iterations:  # none yet\r\n" in raw
+    assert [m.micro_batch for m in c.measured_iterations] == [3] and "  # by hand\r\n" in raw
+    # A comment line between entries, and the same shape twice: replaced once, the duplicate gone.
+    path = tmp_path / "b.yaml"
+    twice = line({**entry, "fwd_bwd_s": 0.1}) + "\n# a comment\n" + line({**entry, "fwd_bwd_s": 0.2}) + "\n"
+    path.write_text(head + "measured_iterations:\n" + twice + "gamma:" + body)
+    c = calibrate.add_measured_iteration(path, entry)
+    assert [(m.micro_batch, m.fwd_bwd_s) for m in c.measured_iterations] == [(3, pytest.approx(0.7))]
+    assert "# a comment" in path.read_text()
+
+
+def test_add_iteration_refuses_a_real_clusters_yaml(tmp_path, capsys):
+    real = tmp_path / "real.yaml"
+    real.write_text((ROOT / "configs" / "clusters" / "emulated-2x2.yaml").read_text().replace("--emulate", ""))
+    with pytest.raises(SystemExit):
+        calibrate.main(["--add-iteration", str(ROOT / "configs" / "workloads" / "tiny-gpt-2x2.yaml"), "--out", str(real)])
+    assert "it is for an emulated cluster's YAML" in capsys.readouterr().err
+
+
 def test_add_iteration_needs_an_existing_cluster_yaml(tmp_path, capsys):
     with pytest.raises(SystemExit):
         calibrate.main(["--add-iteration", str(ROOT / "configs" / "workloads" / "tiny-gpt-2x2.yaml"),

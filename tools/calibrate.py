@@ -32,7 +32,9 @@ calibration does for ``--workload``: as many processes at once as the cluster ha
 it to the existing ``--out`` YAML, every other line kept. The model uses a measured iteration only for a workload
 of exactly its shape, micro-batch included; elsewhere it scales the layer's FLOPs, which leaves out the framework's
 per-micro-batch and per-step overhead (at micro-batch 1 on the emulated cluster it predicted a fifth of the
-measured step: docs/bench/2026-11-28-sdp4bit-tiny-batch).
+measured step unshaped: docs/bench/2026-11-28-sdp4bit-tiny-batch). It is for an emulated cluster's YAML (a real one
+would get all its ranks on this host). A measured iteration's shape has no dtype: a bf16 and an fp32 measurement
+of one shape replace each other, and either is used for both.
 """
 
 from __future__ import annotations
@@ -481,18 +483,33 @@ def add_iteration(a, command: str) -> int:
     from megatron_zpp.perfmodel import load_cluster
 
     cluster = load_cluster(Path(a.out))
+    if "--emulate" not in cluster.source:
+        # Every rank of the cluster runs on this host at once, as the emulated cluster's do; a real cluster's
+        # YAML (calibrated under torchrun) would get all its ranks on one host.
+        raise ValueError(f"--add-iteration measures on this host with as many processes as the cluster has ranks: "
+                         f"it is for an emulated cluster's YAML (written by tools/calibrate.py --emulate); "
+                         f"{a.out} says: {cluster.source!r}")
     a.workload = a.add_iteration
-    # The Adam time the measurement subtracts: the YAML's fitted rate, and its fixed part (which includes the
-    # step's small collectives, under 2 ms on the emulated cluster: an upper bound of a DP-1 run's).
+    # The Adam time the measurement subtracts: the YAML's fitted rate. Its fixed part, which the full calibration
+    # subtracts too (clamped at 0; 0.00 ms on the emulated cluster), is not in the YAML, which keeps only its sum
+    # with the step's small collectives (optimizer_overhead_s); a run with data-parallel size 1 has none of those.
     a.optimizer_rate_for_iteration = cluster.optimizer_params_per_s
-    a.optimizer_fixed_for_iteration = max(cluster.optimizer_overhead_s, 0.0)
+    a.optimizer_fixed_for_iteration = 0.0
     it = measure_iteration(a, cluster.nodes * cluster.ranks_per_node)
-    note = f"added {time.strftime('%Y-%m-%d')} on {machine()}: {command}"
-    add_measured_iteration(Path(a.out), it, it, note)
+    # Printed before the YAML is touched: a failed write loses no measurement.
     print(f"calibrate: no-communication iteration at micro-batch {it['micro_batch']}: {it['step_s'] * 1e3:.0f} ms "
-          f"(slowest of {len(it['per_process_s'])}), {it['fwd_bwd_s'] * 1e3:.0f} ms per micro-batch; added to {a.out}",
-          flush=True)
+          f"(slowest of {len(it['per_process_s'])}; all: {', '.join(f'{t * 1e3:.0f}' for t in it['per_process_s'])} "
+          f"ms), {it['fwd_bwd_s'] * 1e3:.0f} ms per micro-batch; load average {os.getloadavg()[0]:.1f}", flush=True)
+    note = (f"added {time.strftime('%Y-%m-%d')} on {machine()}, load average {os.getloadavg()[0]:.1f}: {command}")
+    add_measured_iteration(Path(a.out), it, it, note)
+    print(f"calibrate: added to {a.out}", flush=True)
     return 0
+
+
+def yaml_error():
+    import yaml
+
+    return yaml.YAMLError
 
 
 def worker_main(a, command: str) -> int:
@@ -581,6 +598,8 @@ def main(argv: list[str] | None = None) -> int:
             return add_iteration(a, "python tools/calibrate.py " + " ".join(shlex.quote(x) for x in argv))
         except (ValueError, FileNotFoundError) as e:
             p.error(str(e))
+        except yaml_error() as e:  # a hand-edited YAML the edit cannot read
+            p.error(f"--out {a.out}: {e}")
     a.name = a.name or (Path(a.out).stem if a.out else "cluster")
     a.rate_label = a.rate_label or a.rate or "unshaped"
     if a.emulate:

@@ -227,11 +227,14 @@ def measured_iteration_line(m: dict, measured: dict | None = None, note: str = "
     processes' times as a comment, ``note`` a word on where the entry came from."""
     line = (f"  - {{layers: {m['layers']}, hidden: {m['hidden']}, seq_length: {m['seq_length']}, "
             f"micro_batch: {m['micro_batch']}, vocab: {m['vocab']}, fwd_bwd_s: {_num(m['fwd_bwd_s'])}}}")
+    comment = []
     if measured:
-        line += (f"  # pretrain_gpt.py without communication, {len(measured['per_process_s'])} processes at once, "
-                 f"step {measured['step_s'] * 1e3:.0f} ms (slowest; all: "
-                 + ", ".join(f"{t * 1e3:.0f}" for t in measured["per_process_s"]) + " ms)")
-    return line + (f"; {note}" if note else "")
+        comment.append(f"pretrain_gpt.py without communication, {len(measured['per_process_s'])} processes at once, "
+                       f"step {measured['step_s'] * 1e3:.0f} ms (slowest; all: "
+                       + ", ".join(f"{t * 1e3:.0f}" for t in measured["per_process_s"]) + " ms)")
+    if note:
+        comment.append(note)
+    return line + ("  # " + "; ".join(comment) if comment else "")
 
 
 def write_cluster(path: Path, fields: dict, c: Calibration | None = None, writer: str = "tools/calibrate.py"):
@@ -264,27 +267,34 @@ def add_measured_iteration(path: Path, entry: dict, measured: dict | None = None
     import yaml
 
     path = Path(path)
-    lines = path.read_text().splitlines()
+    with open(path, newline="") as f:  # as stored: read_text would turn CRLF into LF
+        text = f.read()
+    newline = "\r\n" if "\r\n" in text else "\n"  # the file's own line ending, kept
+    lines = text.splitlines()
     starts = [i for i, line in enumerate(lines) if line.split("#")[0].rstrip() in ("measured_iterations:",
                                                                                   "measured_iterations: []")]
     if len(starts) != 1:
         raise ValueError(f"{path}: expected one 'measured_iterations:' line (a YAML written by tools/calibrate.py), "
                          f"found {len(starts)}")
     head = starts[0]
-    lines[head] = "measured_iterations:"
-    end = head + 1
-    while end < len(lines) and lines[end].startswith("  - "):
-        end += 1
+    lines[head] = lines[head].replace("measured_iterations: []", "measured_iterations:", 1)  # its comment kept
+    # The block's entries ("  - {...}"), past blank and comment lines, up to the next key.
+    entries, i = [], head + 1
+    while i < len(lines) and (lines[i].startswith("  - ") or not lines[i].strip()
+                              or lines[i].lstrip().startswith("#")):
+        if lines[i].startswith("  - "):
+            entries.append(i)
+        i += 1
     shape = ("layers", "hidden", "seq_length", "micro_batch", "vocab")
     new = measured_iteration_line(entry, measured, note)
-    for i in range(head + 1, end):
-        old = yaml.safe_load(lines[i])[0]
-        if all(old.get(k) == entry[k] for k in shape):
-            lines[i] = new
-            break
+    same = [j for j in entries if all(yaml.safe_load(lines[j])[0].get(k) == entry[k] for k in shape)]
+    if same:
+        lines[same[0]] = new
+        for j in reversed(same[1:]):  # a shape twice: the model would use only the first
+            del lines[j]
     else:
-        lines.insert(end, new)
-    return _write_loadable(path, "\n".join(lines) + "\n")
+        lines.insert(entries[-1] + 1 if entries else head + 1, new)
+    return _write_loadable(path, newline.join(lines) + newline)
 
 
 def fit_or_bound(nbytes: list[float], seconds: list[float], steps: int = 1) -> Fit:
