@@ -11,7 +11,7 @@ or ``value``, ``program``, ``command``), so the same file drives ``wandb sweep``
 ``log_interval``, ``nodes``, ``ranks_per_node``, ``micro_batch_size`` and ``global_batch_size`` (the
 make-train model's 4 and 32 unless set; 1 and the rank count is the tiny-batch-per-GPU regime of a large job).
 
-``--local`` expands the grid itself (no W&B server): grid points are grouped by (layout, path,
+``--local`` expands the grid itself (no W&B server): grid points are grouped by (layout, path, batch,
 rate, iterations) and each group is one ``torchrun`` launch on one emulated cluster that trains
 its policies one after another (``tools/bench_training.py``'s launcher; start-up is paid once per
 rate). Every run is a W&B run created by the trainer on one rank (offline unless ``WANDB_MODE``
