@@ -506,12 +506,6 @@ def add_iteration(a, command: str) -> int:
     return 0
 
 
-def yaml_error():
-    import yaml
-
-    return yaml.YAMLError
-
-
 def worker_main(a, command: str) -> int:
     import torch.distributed as dist
 
@@ -594,11 +588,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.add_iteration:
         if not Path(a.out).is_file():
             p.error(f"--add-iteration adds to an existing cluster YAML: --out {a.out!r} is not a file")
+        import yaml
+
         try:
-            return add_iteration(a, "python tools/calibrate.py " + " ".join(shlex.quote(x) for x in argv))
-        except (ValueError, FileNotFoundError) as e:
-            p.error(str(e))
-        except yaml_error() as e:  # a hand-edited YAML the edit cannot read
+            return add_iteration(a, command)
+        except (ValueError, FileNotFoundError, yaml.YAMLError) as e:  # YAMLError: a hand-edited file it cannot read
             p.error(f"--out {a.out}: {e}")
     a.name = a.name or (Path(a.out).stem if a.out else "cluster")
     a.rate_label = a.rate_label or a.rate or "unshaped"
