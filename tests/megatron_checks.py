@@ -207,7 +207,8 @@ def replica_consistency(parallel: list[str], policies: list[str], iterations: in
     out = {}
     for name in ["absent"] + policies:
         run = pretrain(base + POLICIES.get(name, []), log=_quiet, plugin=name != "absent")
-        out[name] = run["replica_check"] | {"finite": run["finite"], "losses": run["losses"]}
+        out[name] = run["replica_check"] | {"finite": run["finite"], "losses": run["losses"],
+                                            "breakdown": run["breakdown"]}
     return out
 
 

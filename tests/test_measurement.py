@@ -28,6 +28,18 @@ def test_timers_count_nested_waits_once_and_subtract_codec_time():
     with t.wait():  # depth restored after the exception: counted again
         time.sleep(0.01)
     assert t.wait_s >= before + 0.009
+    # By site: the outermost wait's, inner sites not counted again; the sites sum to wait_s
+    t.reset()
+    with t.wait("finish_param_sync"):
+        time.sleep(0.02)
+        with t.wait("start_param_sync"):
+            time.sleep(0.01)
+    with t.wait("finish_grad_sync"):
+        time.sleep(0.01)
+    sites = t.sites()
+    assert set(sites) == {"finish_param_sync", "finish_grad_sync"}, sites
+    assert sites["finish_param_sync"] >= 0.029 and 0.009 <= sites["finish_grad_sync"] < sites["finish_param_sync"]
+    assert sum(sites.values()) == pytest.approx(t.wait_s)
 
 
 def test_nic_window_counts_one_reader_per_node_and_tolerates_mixed_environments():

@@ -449,6 +449,12 @@ def test_weight_differences_keep_replicas_identical(layout):
             assert counts["gathers"] in (5 * buckets, 6 * buckets), counts
         assert r["finite"] and r["uses_compared"] > 0 and r["mismatches"] == 0, (layout, rank, r["first_mismatches"])
         assert abs(r["losses"][-1] - absent["losses"][-1]) < 0.05 * absent["losses"][-1]
+        # the exposed communication split by where it was waited for adds up to it, at the path's own sites
+        breakdown = r["breakdown"]
+        by_site = breakdown["exposed_by_site"]
+        assert sum(by_site.values()) == pytest.approx(breakdown["exposed_comm_s"], rel=1e-6, abs=1e-9), breakdown
+        sites = {"wait_bucket_ready", "wait_bucket_ready.bwd"} if layout.startswith("fsdp") else {"finish_param_sync"}
+        assert sites <= set(by_site), by_site
 
 
 @pytest.mark.slow

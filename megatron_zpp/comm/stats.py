@@ -131,6 +131,9 @@ class CommTimers:
     waits as Megatron makes them (issue, ``finish_*_sync``, Megatron-FSDP's bucket waits), minus the
     codec time inside them, i.e. exposed communication. Nested waits count once.
 
+    ``wait_s_by_site``: ``wait_s`` split by where the outermost wait was (``wait(site)``: the hook that issued
+    or waited, e.g. ``finish_param_sync``), to tell which collective a step waits for.
+
     Host time is the real cost on CPU, where codec kernels run on the calling thread and gloo
     waits block it. On CUDA both are asynchronous: ``codec_s`` is launch overhead only and
     ``wait_s`` is host blocking, not stream time; use a profiler there.
@@ -139,6 +142,7 @@ class CommTimers:
     def __init__(self) -> None:
         self.codec_s = 0.0
         self.wait_s = 0.0
+        self.wait_s_by_site: dict[str, float] = {}
         self._depth = 0
 
     @contextlib.contextmanager
@@ -150,7 +154,7 @@ class CommTimers:
             self.codec_s += time.perf_counter() - t0
 
     @contextlib.contextmanager
-    def wait(self):
+    def wait(self, site: str = "other"):
         self._depth += 1
         if self._depth > 1:  # inside another timed wait: counted by the outer one
             try:
@@ -163,13 +167,20 @@ class CommTimers:
             yield
         finally:
             self._depth -= 1
-            self.wait_s += (time.perf_counter() - t0) - (self.codec_s - codec0)
+            exposed = (time.perf_counter() - t0) - (self.codec_s - codec0)
+            self.wait_s += exposed
+            self.wait_s_by_site[site] = self.wait_s_by_site.get(site, 0.0) + exposed
 
     def snapshot(self) -> tuple[float, float]:
         return self.codec_s, self.wait_s
 
+    def sites(self) -> dict[str, float]:
+        """``wait_s`` so far by site (a copy)."""
+        return dict(self.wait_s_by_site)
+
     def reset(self) -> None:
         self.codec_s = self.wait_s = 0.0
+        self.wait_s_by_site = {}
 
 
 _TIMERS = CommTimers()

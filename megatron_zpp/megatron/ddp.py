@@ -44,7 +44,7 @@ class DdpRouting:
         def start_grad_sync(bucket_group, force_all_reduce=False):
             hooks._check_supported(bucket_group)
             hooks.sync_iteration()
-            with comm_timers().wait(), hooks._route_grad_collectives(pgb, bucket_group) as ours:
+            with comm_timers().wait("start_grad_sync"), hooks._route_grad_collectives(pgb, bucket_group) as ours:
                 result = originals["start_grad_sync"](bucket_group, force_all_reduce)
             # Megatron waits grad_reduce_handle in finish_grad_sync before it reads the bucket
             # (and, in 0.19, before _copy_back_extra_main_grads): ours join it there.
@@ -53,7 +53,7 @@ class DdpRouting:
 
         def start_param_sync(bucket_group, force_sync=False):
             hooks.sync_iteration()
-            with comm_timers().wait(), hooks._route_param_gather(pgb, bucket_group) as ours:
+            with comm_timers().wait("start_param_sync"), hooks._route_param_gather(pgb, bucket_group) as ours:
                 result = originals["start_param_sync"](bucket_group, force_sync)
             # finish_param_sync (and a forced sync) wait param_gather_handle before the forward
             # that needs the weights, including a gather that finish_param_sync itself dispatches.

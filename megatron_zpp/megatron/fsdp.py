@@ -95,13 +95,14 @@ class FsdpRouting:
 
         def async_bucket_gather(pipeline, bucket_id, bwd):
             hooks.sync_iteration()
-            with comm_timers().wait(), hooks._route_fsdp_gather(pipeline, bucket_id, bwd):
+            with comm_timers().wait(f"async_bucket_gather{'.bwd' if bwd else ''}"), \
+                    hooks._route_fsdp_gather(pipeline, bucket_id, bwd):
                 return originals["async_bucket_gather"](pipeline, bucket_id, bwd)
 
         def wait_bucket_ready(pipeline, bucket_id, bwd, *args, **kwargs):
             # all_gather_params replaces each bucket's event with its coalescing manager's, which
             # knows nothing of ours: decode here, before Megatron marks the bucket ready.
-            with comm_timers().wait():
+            with comm_timers().wait(f"wait_bucket_ready{'.bwd' if bwd else ''}"):
                 handle = hooks._pending_gathers.pop((id(pipeline), pipeline.get_bucket_key(bucket_id, bwd)), None)
                 if handle is not None:
                     handle.wait()
@@ -111,7 +112,7 @@ class FsdpRouting:
             hooks.sync_iteration()
             hooks._check_fsdp_supported(pipeline.buffer.ddp_config, kwargs.get("outer_fsdp_group_grad_reduce"))
             buffers = [(f"fsdp.bucket{b}", pipeline.get_fsdp_buffer(b)) for b in bucket_group]
-            with comm_timers().wait(), hooks._route_fsdp_reduce(buffers, fsdp_buf):
+            with comm_timers().wait("bucket_group_gradient_reduce"), hooks._route_fsdp_reduce(buffers, fsdp_buf):
                 return originals["_bucket_group_gradient_reduce"](pipeline, bucket_group, *args, **kwargs)
 
         def copy_main_weights_to_model_weights(buffer, *args, **kwargs):

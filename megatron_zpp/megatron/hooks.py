@@ -311,8 +311,8 @@ class MegatronHooks(DdpRouting, FsdpRouting):
             self._timed_methods.append((cls, name, inspect.getattr_static(cls, name)))
 
             @functools.wraps(original)
-            def timed(*args, _original=original, **kwargs):
-                with comm_timers().wait():
+            def timed(*args, _original=original, _site=name, **kwargs):
+                with comm_timers().wait(_site):
                     return _original(*args, **kwargs)
             setattr(cls, name, timed)
 

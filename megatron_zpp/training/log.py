@@ -98,6 +98,8 @@ class IterationLogger:
         self.wandb = None
         self.comm_seconds: list[tuple[float, float]] = []  # per iteration: (codec, exposed wait)
         self._last_timers = (0.0, 0.0)
+        self.wait_sites: list[dict[str, float]] = []  # per iteration: exposed wait by site (CommTimers)
+        self._last_sites: dict[str, float] = {}
         self.nic = NicWindow()
         self._window: tuple | None = None  # (NIC bytes, comm_stats) over the training loop
         # Long-run health (soak): resident memory and scratch pools per log interval, and each
@@ -148,6 +150,9 @@ class IterationLogger:
         timers = comm_timers().snapshot()
         self.comm_seconds.append((timers[0] - self._last_timers[0], timers[1] - self._last_timers[1]))
         self._last_timers = timers
+        sites = comm_timers().sites()
+        self.wait_sites.append({k: v - self._last_sites.get(k, 0.0) for k, v in sites.items()})
+        self._last_sites = sites
         self._last_iteration = iteration
         a = self.args
         if iteration % a.log_interval and iteration != a.train_iters:
@@ -207,8 +212,16 @@ class IterationLogger:
         if on_cuda:
             # Host timers see launches and host blocking, not stream time: no breakdown on CUDA
             # (use a profiler there), rather than a wrong one.
-            return {"step_s": step, "codec_s": None, "exposed_comm_s": None, "compute_s": None}
-        return {"step_s": step, "codec_s": codec, "exposed_comm_s": wait, "compute_s": step - codec - wait}
+            return {"step_s": step, "codec_s": None, "exposed_comm_s": None, "compute_s": None,
+                    "exposed_by_site": None}
+        # the exposed wait by site, the same way (ranks may have waited at different sites: gathered as objects)
+        sites = self.wait_sites[1:] or self.wait_sites
+        local = {k: sum(d.get(k, 0.0) for d in sites) / n for k in {k for d in sites for k in d}}
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, local)
+        by_site = {k: sum(d.get(k, 0.0) for d in everyone) / len(everyone) for k in sorted({k for d in everyone for k in d})}
+        return {"step_s": step, "codec_s": codec, "exposed_comm_s": wait, "compute_s": step - codec - wait,
+                "exposed_by_site": by_site}
 
     def finish(self, losses: list[float], models: list, hooks=None, valid_loss: float | None = None,
                finite: bool = True, sharded: bool = False, replica_check=None) -> dict:
@@ -265,6 +278,9 @@ class IterationLogger:
                      f"compute and the rest {breakdown['compute_s'] * 1e3:.0f} ms, exposed data-parallel "
                      f"communication {breakdown['exposed_comm_s'] * 1e3:.0f} ms, codec and reductions "
                      f"{breakdown['codec_s'] * 1e3:.0f} ms")
+            self.log("> summary: exposed data-parallel communication by where it was waited for (ms per iteration): "
+                     + (", ".join(f"{k} {v * 1e3:.0f}" for k, v in sorted(breakdown["exposed_by_site"].items(),
+                                                                           key=lambda kv: -kv[1])) or "none"))
         if nic is not None:
             self.log(f"> summary: cross-node bytes on the NICs ({nic['interface']}, measured, {nic['nodes']} nodes): "
                      f"{nic['tx_bytes'] / MB:.2f} MB, TCP payload {nic['payload_bytes'] / MB:.2f} MB vs "
