@@ -17,7 +17,6 @@ from megatron_zpp.comm import (HeldShard, HpzShard, Topology, comm_stats, compre
                                qgz_reduce_scatter, quantized_all_gather, ring_reduce_scatter, torch_reduce_scatter,
                                weight_difference_all_gather)
 from megatron_zpp.compression import get_codec, layout
-from megatron_zpp.compression import ops as codec_ops
 
 SIZES = (1, 7, 300, 1000)  # one element, odd, not a multiple of any block, several blocks
 DTYPES = (torch.float32, torch.bfloat16)
@@ -747,14 +746,12 @@ def qgz_hadamard_worker(seed: int) -> dict:
 
 
 def hpz_weight_difference_worker(dtype_name: str, codec: str, shard: int, steps: int, resync_at: int,
-                                 hpz_size: int, intra: str | None = None) -> dict:
+                                 hpz_size: int) -> dict:
     """qWD on the hpZ secondary copy (ZeRO-3): per step an optimizer-like update of this rank's own shard (not
     part of the gathered buffer, as in Megatron-FSDP), then three gathers (a forward's, a backward's and the next
-    micro-batch's). Per gather: whether every rank got the same bits; whether the output is exactly what the
-    replicas hold (``held``, gathered here), or with ``intra`` (a compressed intra-node gather copy) that rounded
-    by ``intra``'s codec; the worst error of what they hold against each owner's new weights relative to the
-    bound (one quantization step of the last difference plus the dtype's rounding); the bytes sent across and
-    inside nodes."""
+    micro-batch's). Per gather: whether every rank got the same bits, the worst error of every row against its
+    owner's new weights relative to the bound (one quantization step of the last difference plus the dtype's
+    rounding), and the bytes sent across nodes."""
     dtype = getattr(torch, dtype_name)
     from megatron_zpp.comm import hpz_weight_difference_all_gather
 
@@ -765,62 +762,34 @@ def hpz_weight_difference_worker(dtype_name: str, codec: str, shard: int, steps:
     gens = [gen(31, r) for r in range(size)]
     exact = [heavy_tailed(shard, gens[r]).float() * 0.05 for r in range(size)]  # every owner's, replayed here
     secondary = HpzShard(topo, shard, dtype, "none")
-    copy = HpzShard(topo, shard, dtype, intra) if intra else None
     held = HeldShard(shard, dtype)
-
-    def replicas_hold() -> torch.Tensor:
-        """Every owner's held shard: what every replica holds of it."""
-        rows = [torch.empty_like(held.value) for _ in range(size)]
-        dist.all_gather(rows, held.value)
-        return torch.stack(rows)
-
-    def as_gathered(holds: torch.Tensor) -> torch.Tensor:
-        """What a gather must return given what the replicas hold: those bits, or their rounding by ``intra``."""
-        if copy is None:
-            return holds
-        fmt = copy.format
-        packed = torch.empty(size, copy.row_bytes, dtype=torch.uint8)
-        codec_ops.quantize_rows_(holds.reshape(-1), packed, fmt.bits, fmt.block, False, 0, fmt.hadamard,
-                                 backend="reference")
-        out = torch.empty(size * shard, dtype=dtype)
-        codec_ops.dequantize_rows_(packed, out, fmt.bits, fmt.block, fmt.hadamard, backend="reference")
-        return out.view(size, shard)
-
-    def gather(output, mine, async_op=False):
-        return hpz_weight_difference_all_gather(output, mine, secondary, held, topo, codec=codec, async_op=async_op,
-                                                gather_copy=copy)
-
-    word = torch.int16 if dtype != torch.float32 else torch.int32
-    holds = None
+    holds = [None] * size  # what the replicas should hold of each shard (the owners' held shards, replayed)
     out = []
     for step in range(steps):
         if step:
             for r in range(size):
                 exact[r] += 1e-3 * torch.randn(shard, generator=gens[r])
             secondary.invalidate()  # the weights changed (Megatron-FSDP's copy_main_weights_to_model_weights)
-            if copy is not None and step % 2:
-                copy.invalidate()  # the hooks invalidate both; the call must not depend on it
         if step == resync_at:
             held.invalidate()
         mine = exact[rank].to(dtype)
         targets = torch.stack([e.to(dtype) for e in exact]).float()
         resync = not held.valid
-        bases = None if resync else holds.float()
-        first_output = None
+        bases = None if resync else torch.stack([h.float() for h in holds])
         for use in range(3):
             output = torch.full((size * shard,), float("nan"), dtype=dtype)
             comm_stats().reset()
-            handle = gather(output, mine, async_op=use == 1)
+            handle = hpz_weight_difference_all_gather(output, mine, secondary, held, topo, codec=codec,
+                                                      async_op=use == 1)
             if handle is not None:
                 handle.wait()
             stats = comm_stats().summed_over_ranks()
             inter = sum(s.inter_bytes for s in stats.values())
-            intra_bytes = sum(s.intra_bytes for s in stats.values())
             everyone = [torch.empty_like(output) for _ in range(size)]
             dist.all_gather(everyone, output)
+            word = torch.int16 if dtype != torch.float32 else torch.int32
             identical = all(torch.equal(e.view(word), output.view(word)) for e in everyone)
-            holds = replicas_hold()
-            got = holds.float()
+            got = output.view(size, shard).float()
             if resync:
                 worst = 0.0 if torch.equal(got, targets) else float("inf")
             else:
@@ -829,12 +798,9 @@ def hpz_weight_difference_worker(dtype_name: str, codec: str, shard: int, steps:
                 rounding = torch.maximum(got.abs(), targets.abs()) * OUT_EPS[dtype]
                 bound = step_bound + rounding + step_bound * FP32_SLOP + 1e-30
                 worst = float(((got - targets).abs() / bound).max())
-            first_output = output if first_output is None else first_output
             out.append({"step": step, "use": use, "resync": resync, "identical": identical, "worst": worst,
-                        "inter": inter, "intra": intra_bytes,
-                        "output_is_held": bool(torch.equal(as_gathered(holds).reshape(-1).view(word),
-                                                           output.view(word))),
-                        "same_as_first_use": bool(torch.equal(first_output.view(word), output.view(word)))})
+                        "inter": inter, "held_is_output": bool(torch.equal(held.value, output.view(size, shard)[rank]))})
+        holds = [output.view(size, shard)[r].clone() for r in range(size)]
     # Two gathers of the same stale copy dispatched before either is waited (the second waited first): one
     # difference, applied once; both outputs the same, within the bound.
     for r in range(size):
@@ -842,27 +808,25 @@ def hpz_weight_difference_worker(dtype_name: str, codec: str, shard: int, steps:
     secondary.invalidate()
     mine = exact[rank].to(dtype)
     targets = torch.stack([e.to(dtype) for e in exact]).float()
-    bases = holds.float()
+    bases = torch.stack([h.float() for h in holds])
     outputs = [torch.full((size * shard,), float("nan"), dtype=dtype) for _ in range(2)]
-    handles = [gather(o, mine, async_op=True) for o in outputs]
+    handles = [hpz_weight_difference_all_gather(o, mine, secondary, held, topo, codec=codec, async_op=True)
+               for o in outputs]
     for h in reversed(handles):
         h.wait()
-    holds = replicas_hold()
     step_bound = block_absmax(targets - bases, shard, block) / qmax * per_scale
-    got = holds.float()
+    got = outputs[0].view(size, shard).float()
     bound = step_bound + torch.maximum(got.abs(), targets.abs()) * OUT_EPS[dtype] + step_bound * FP32_SLOP + 1e-30
     overlapped = {"same": bool(torch.equal(outputs[0].float(), outputs[1].float())),
                   "worst": float(((got - targets).abs() / bound).max()),
-                  "output_is_held": bool(torch.equal(as_gathered(holds).reshape(-1).view(word),
-                                                     outputs[1].view(word)))}
+                  "held_is_output": bool(torch.equal(held.value, outputs[1].view(size, shard)[rank]))}
     # A NaN in one owner's update reaches every replica, in that shard's block only.
     secondary.invalidate()
     mine = exact[rank].to(dtype)
     if rank == 0:
         mine[3] = float("nan")
     output = torch.empty(size * shard, dtype=dtype)
-    gather(output, mine)
+    hpz_weight_difference_all_gather(output, mine, secondary, held, topo, codec=codec)
     nan_rows = torch.isnan(output.view(size, shard).float()).any(dim=1).tolist()
     return {"gathers": out, "nan_rows": nan_rows, "row_bytes": layout.row_bytes(shard, bits, block),
-            "secondary_bytes": secondary.nbytes, "copy_bytes": copy.nbytes if copy else 0,
-            "overlapped": overlapped}
+            "secondary_bytes": secondary.nbytes, "overlapped": overlapped}

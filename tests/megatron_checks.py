@@ -193,10 +193,7 @@ POLICIES = {"none": ["--zpp-policy", "none"], "fair": ["--zpp-policy", "fair"], 
             "qwd": ["--zpp-policy", "zeropp", "--zpp-dp-param", "int4:block=2048", "--zpp-dp-param-difference",
                     "--zpp-dp-param-resync-interval", "3"],
             # the preset: qWD plus two-level gradients (INT8 inside the node, Hadamard-rotated INT4 across)
-            "sdp4bit": ["--zpp-policy", "sdp4bit", "--zpp-dp-param-resync-interval", "3"],
-            # Megatron-FSDP: the gathers inside the node send the hpZ copy's INT8 encoding
-            "sdp4bit-intra-int8": ["--zpp-policy", "sdp4bit", "--zpp-dp-param-resync-interval", "3",
-                                   "--zpp-dp-param-intra", "int8:block=256"]}
+            "sdp4bit": ["--zpp-policy", "sdp4bit", "--zpp-dp-param-resync-interval", "3"]}
 
 
 def replica_consistency(parallel: list[str], policies: list[str], iterations: int) -> dict:
@@ -254,13 +251,13 @@ class _CountedDifferenceGathers:
         fsdp.hpz_weight_difference_all_gather = self.original_hpz
 
 
-def weight_difference_consistency(parallel: list[str], iterations: int, policy: str = "sdp4bit") -> dict:
+def weight_difference_consistency(parallel: list[str], iterations: int) -> dict:
     """:func:`replica_consistency` under the ``sdp4bit`` preset (qWD and Hadamard-rotated two-level gradients;
-    bf16, Megatron alone in bf16 too) or a variant of it (``policy``), counting the hooks' weight-difference
-    gathers and their full-precision resyncs. Returned under ``"sdp4bit"`` whichever the variant."""
+    bf16, Megatron alone in bf16 too), counting the hooks' weight-difference gathers and their full-precision
+    resyncs."""
     with _CountedDifferenceGathers() as counts:
-        out = replica_consistency(parallel + ["--bf16"], [policy], iterations)
-    out["sdp4bit"] = out.pop(policy) | {"counts": counts}
+        out = replica_consistency(parallel + ["--bf16"], ["sdp4bit"], iterations)
+    out["sdp4bit"]["counts"] = counts
     return out
 
 

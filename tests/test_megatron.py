@@ -413,7 +413,7 @@ def test_fp32_optimizer_steps_from_its_own_weights_under_a_lossy_gather(layout, 
 
 
 @pytest.mark.parametrize("layout", [
-    "distopt-overlap-both", "fsdp-hpz", "fsdp-hpz-intra-int8",
+    "distopt-overlap-both", "fsdp-hpz",
     *(pytest.param(layout, marks=pytest.mark.slow)
       for layout in ("distopt", "distopt-overlap-grad", "tp2xdp2", "pp2xdp2-interleaved")),
 ])
@@ -422,12 +422,9 @@ def test_weight_differences_keep_replicas_identical(layout):
     every 3 iterations; gradients INT8/512 inside the node, INT4/128 rotated in runs of 32 across): every
     module's forward and backward sees the same weights on every replica at every use, training stays finite
     and its loss close to Megatron's own; the gathers are weight differences, each bucket's first one and the
-    one at iteration 3 in full precision. ``-intra-int8``: Megatron-FSDP's gathers inside the node send the
-    hpZ copy's INT8 encoding (--zpp-dp-param-intra)."""
-    intra = layout.endswith("-intra-int8")
-    results = run_distributed(checks.weight_difference_consistency, 4,
-                              REPLICA_LAYOUTS[layout.removesuffix("-intra-int8")], 5,
-                              "sdp4bit-intra-int8" if intra else "sdp4bit", ranks_per_node=2, timeout_s=600)
+    one at iteration 3 in full precision."""
+    results = run_distributed(checks.weight_difference_consistency, 4, REPLICA_LAYOUTS[layout], 5,
+                              ranks_per_node=2, timeout_s=600)
     for rank, by_policy in enumerate(results):
         r, absent = by_policy["sdp4bit"], by_policy["absent"]
         counts = r["counts"]
@@ -478,8 +475,8 @@ def test_weight_differences_resync_after_a_checkpoint_load(tmp_path):
 def test_weight_differences_refuse_what_they_cannot_run_on(flags, says):
     """qWD adds differences to the replicas' copy of the sharded weights (the distributed optimizer's gathered
     buffer, Megatron-FSDP's hpZ copy): plain DP (no sharded gather) is a configuration error naming the
-    alternatives, before anything is built; so are a resync interval or an intra-node gather codec without qWD,
-    a stochastic or non-blockwise intra-node codec, and Megatron-LM's modes that reuse the buffer. (fp32 weights run: test_fp32_optimizer_steps_from_its_own_weights_under_a_lossy_gather.)"""
+    alternatives, before anything is built; so are a resync interval without qWD, and Megatron-LM's modes that
+    reuse the buffer. (fp32 weights run: test_fp32_optimizer_steps_from_its_own_weights_under_a_lossy_gather.)"""
     from megatron_zpp.megatron import hooks_from_args
     from megatron_zpp.policy import ConfigError
     from megatron_zpp.training.arguments import build_parser
@@ -493,14 +490,6 @@ def test_weight_differences_refuse_what_they_cannot_run_on(flags, says):
         hooks_from_args(args)
     with pytest.raises(ConfigError, match="needs dp_param_difference"):
         hooks_from_args(build_parser().parse_args(["--zpp-dp-param-resync-interval", "5"]))
-    # qWD's intra-node gather codec: only with qWD, and deterministic blockwise (each node's holder encodes a row)
-    with pytest.raises(ConfigError, match=r"dp_param_intra=.int8.*needs dp_param_difference"):
-        hooks_from_args(build_parser().parse_args(["--zpp-policy", "zeropp", "--zpp-dp-param-intra", "int8"]))
-    for bad in ("zfp:rate=8", "int8:block=256,rounding=stochastic"):
-        with pytest.raises(ConfigError, match=r"dp_param_intra=.*must be a deterministic int8 or int4 codec"):
-            hooks_from_args(build_parser().parse_args(["--zpp-policy", "sdp4bit", "--zpp-dp-param-intra", bad]))
-    with pytest.raises(ConfigError, match=r"dp_param_intra.*valid"):
-        hooks_from_args(build_parser().parse_args(["--zpp-policy", "sdp4bit", "--zpp-dp-param-intra", "int9"]))
 
 
 def test_megatron_lm_training_flags():

@@ -223,27 +223,6 @@ def hpz_all_gather(output: torch.Tensor, hpz_shard: HpzShard, topology: Topology
     return launch(groups.in_flight, stream, (hpz_shard.payload, output), first, async_op)
 
 
-def _encode_gather_copy(output: torch.Tensor | None, hpz_shard: HpzShard, gather_copy: HpzShard,
-                        topology: Topology) -> None:
-    """qWD's compressed intra-node gathers: encode this rank's rows of the full-precision hpZ copy into
-    ``gather_copy``; with ``output`` (the full gathered buffer, whose rows the copy's are), round all of it in
-    place to the decode of those rows, which is what an intra-node gather of every holder's encoding gives."""
-    fmt, rows, shard = gather_copy.format, hpz_shard.rows, hpz_shard.shard_numel
-    if shard == 0:
-        gather_copy.valid = hpz_shard.valid
-        return
-    if output is None:
-        secondary = hpz_shard.payload.view(-1).view(hpz_shard.dtype)
-        codec_ops.quantize_rows_(secondary, gather_copy.payload, fmt.bits, fmt.block, False, 0, fmt.hadamard)
-    else:
-        size = topology.size
-        packed = torch.empty(size, gather_copy.row_bytes, dtype=torch.uint8, device=output.device)
-        codec_ops.quantize_rows_(output.view(-1), packed, fmt.bits, fmt.block, False, 0, fmt.hadamard)
-        gather_copy._fill_from(packed)
-        codec_ops.dequantize_rows_(packed, output.view(-1), fmt.bits, fmt.block, fmt.hadamard)
-    gather_copy.valid = hpz_shard.valid
-
-
 class HeldShard:
     """qWD's base (SDP4Bit's weight differences): this rank's shard of one flat buffer as *every replica holds
     it*, the base its next difference is taken against.
@@ -369,7 +348,7 @@ def weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, held
 def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, hpz_shard: HpzShard,
                                      held: HeldShard, topology: Topology,
                                      codec: str | Codec | None = "int4:block=2048", async_op: bool = False,
-                                     tag: str = "dp.param", gather_copy: HpzShard | None = None):
+                                     tag: str = "dp.param"):
     """qWD for ZeRO-3 (Megatron-FSDP), on the hpZ secondary partition: ``output`` gets every shard's weights as
     the replicas hold them, gathered *inside the node*; what crosses nodes is one 4-bit difference per shard
     and weight update.
@@ -387,13 +366,6 @@ def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, 
 
     Every replica thus computes with bit-identical weights, and the quantization error is not lost: the next
     difference is taken against what the replicas hold. ``input``'s padding must be zero (or finite).
-
-    ``gather_copy`` (optional; a deterministic int8/int4 :class:`HpzShard` of the same shape): the gathers
-    inside the node send its packed rows instead of the copy's full-precision ones (a quarter of fp32's bytes
-    with INT8). It is re-encoded from the copy whenever the copy changes, and ``output`` is then the decode of
-    those rows, on every gather (the first, full-precision one included, which rounds its result the same way
-    in place): forward and backward use the same weights, every node the same. The rounding is not carried:
-    the copy and ``held`` stay exact, so the differences are still taken against them.
     """
     what = "hpz_weight_difference_all_gather"
     size, shard = _check_difference_gather(output, input, held, topology, what)
@@ -405,17 +377,7 @@ def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, 
     fmt = wire_format(topology, codec, what)
     if not fmt.blockwise:
         raise ValueError(f"{what}: codec {fmt.spec!r} is not a blockwise quantizer; valid: int4, int8")
-    intra_spec = None
-    if gather_copy is not None:
-        gfmt = gather_copy.format
-        if not gfmt.blockwise or gfmt.stochastic or gather_copy.shard_numel != shard \
-                or gather_copy.dtype != input.dtype or gather_copy.topology._groups is not topology._groups:
-            # Stochastic rounding would differ between the nodes' holders of a row: replicas would diverge.
-            raise ValueError(f"{what}: gather_copy must be an int8/int4 copy without stochastic rounding of {shard} "
-                             f"{input.dtype} elements per shard on this topology; it has "
-                             f"{gather_copy.shard_numel} {gather_copy.dtype} with codec {gfmt.spec!r}")
-        intra_spec = gfmt.spec
-    agree(topology, what, codec=fmt.spec, dtype=str(input.dtype), hpz=topology.hpz_size, intra=intra_spec)
+    agree(topology, what, codec=fmt.spec, dtype=str(input.dtype), hpz=topology.hpz_size)
     if hpz_shard.refreshing is not None:
         # An exchange dispatched earlier has not updated the copy and ``held`` yet (its update runs at the next
         # progress point): finish it first, or this call would send the same difference again and apply it
@@ -423,29 +385,17 @@ def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, 
         pending, hpz_shard.refreshing = hpz_shard.refreshing, None
         pending.wait()
     if not held.valid:
-        exact = quantized_all_gather(output, input, topology, codec="none", async_op=True, tag=tag,
-                                     hpz_shard=hpz_shard)
+        handle = quantized_all_gather(output, input, topology, codec="none", async_op=async_op, tag=tag,
+                                      hpz_shard=hpz_shard)
         held.value.copy_(input)
         held.valid = True
-        handle = exact
-        if gather_copy is not None:
-            # Round the exact gather as the next gathers will see it (this pass's backward reads gather_copy).
-            def then() -> None:
-                exact.wait()
-                _encode_gather_copy(output, hpz_shard, gather_copy, topology)
-            handle = CommHandle(then)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
+        return handle
     if hpz_shard.valid:
-        if gather_copy is not None and not gather_copy.valid:  # invalidated on its own (a caller's reset)
-            _encode_gather_copy(None, hpz_shard, gather_copy, topology)
-        return hpz_all_gather(output, gather_copy or hpz_shard, topology, async_op=async_op, tag=tag)
+        return hpz_all_gather(output, hpz_shard, topology, async_op=async_op, tag=tag)
 
     flat, hpz = topology._groups.flat, topology._groups.hpz
     rb = layout.row_bytes(shard, fmt.bits, fmt.block)
-    part = (gather_copy or hpz_shard).payload.view(-1)  # what the intra-node gather sends
+    part = hpz_shard.payload.view(-1)
     # One call: the difference rows' all-gather and the intra-node gather of the refreshed copy.
     intra, inter = flat.split_ring((size - 1) * rb)
     hpz_intra, hpz_inter = hpz.split_ring((hpz.size - 1) * part.numel())
@@ -478,28 +428,14 @@ def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, 
             hpz_shard.refreshing = None
             # fresh, unless the weights changed again since the dispatch (then the next gather exchanges anew)
             hpz_shard.valid = hpz_shard.generation == generation
-            if gather_copy is None:
-                hop2.append(hpz.all_gather(gather_out, part))
-                return
-            _encode_gather_copy(None, hpz_shard, gather_copy, topology)
-            gather_copy.valid = hpz_shard.valid
-            packed = scratch.take(size * gather_copy.row_bytes)
-            hop2.append((hpz.all_gather(packed, part), packed))
+            hop2.append(hpz.all_gather(gather_out, part))
 
         def finish() -> None:
-            if gather_copy is None:
-                wait(hop2[0])
-            else:
-                work, packed = hop2[0]
-                wait(work)
-                codec_ops.dequantize_rows_(packed.view(size, gather_copy.row_bytes), output.view(-1),
-                                           gather_copy.format.bits, gather_copy.format.block,
-                                           gather_copy.format.hadamard)
+            wait(hop2[0])
             scratch.release()
         return [middle], finish
 
-    used = (input, output, held.value, hpz_shard.payload) + ((gather_copy.payload,) if gather_copy else ())
-    handle = launch(groups.in_flight, stream, used, first, True)
+    handle = launch(groups.in_flight, stream, (input, output, held.value, hpz_shard.payload), first, True)
     if handle.steps_left():
         hpz_shard.refreshing = handle
     if async_op:

@@ -16,8 +16,6 @@ qWD (``dp_param_difference``) here: every gather, forward and backward, is an in
 copy, held in the weights' dtype; after each weight install (invalidated) the first gather of a bucket
 exchanges each shard's 4-bit difference across nodes to the ranks holding its copy
 (``hpz_weight_difference_all_gather``); the first gather ever, after a load or a resync, is full precision.
-With ``dp_param_intra`` the gathers inside the node send a packed encoding of the copy (re-encoded at each
-refresh), and every pass computes with its decode.
 
 A group with one member per node (an MoE expert-data-parallel group once EP fills the node) has no hpZ copy
 (``hpz_partitioned``): hpZ over one rank would hold every shard. Its buckets gather with qwZ, forward and
@@ -142,11 +140,9 @@ class FsdpRouting:
             self._saved_fsdp = None
 
     # ------------------------------------------------------------------ routing
-    def _difference_state(self, pipeline, bucket_id: int, shard_input,
-                          topo: Topology) -> tuple[HpzShard, HeldShard, HpzShard | None]:
-        """qWD on Megatron-FSDP: the bucket's hpZ secondary copy in the weights' dtype, this rank's held shard
-        (what every replica holds of its own shard), and with ``dp_param_intra`` the packed copy the gathers
-        inside the node send."""
+    def _difference_state(self, pipeline, bucket_id: int, shard_input, topo: Topology) -> tuple[HpzShard, HeldShard]:
+        """qWD on Megatron-FSDP: the bucket's hpZ secondary copy in the weights' dtype, and this rank's held
+        shard (what every replica holds of its own shard)."""
         key = ("qwd", id(pipeline), bucket_id)
         self._hpz_shards.pop((id(pipeline), bucket_id), None)  # the plain hpZ copy of a suspension (divergence guard)
         shard = self._hpz_shards.get(key)
@@ -157,18 +153,7 @@ class FsdpRouting:
         held = self._held_shards.get(key)
         if held is None:
             held = self._held_shards[key] = HeldShard(shard_input.numel(), shard_input.dtype, shard_input.device)
-        intra = self.policy.param_intra
-        copy_key = ("qwd-intra", id(pipeline), bucket_id)
-        copy = self._hpz_shards.get(copy_key)
-        if intra == "none":
-            self._hpz_shards.pop(copy_key, None)
-            copy = None
-        elif copy is None or copy.shard_numel != shard.shard_numel or copy.dtype != shard.dtype \
-                or copy.format.spec != intra:
-            # in _hpz_shards: invalidated with the copy, counted in hpz_bytes; encoded from the copy when used
-            copy = self._hpz_shards[copy_key] = HpzShard(topo, shard.shard_numel, shard.dtype, intra,
-                                                         device=shard_input.device)
-        return shard, held, copy
+        return shard, held
 
     @contextlib.contextmanager
     def _route_fsdp_gather(self, pipeline, bucket_id: int, bwd: bool):
@@ -187,7 +172,6 @@ class FsdpRouting:
             if hooks.policy.param_difference and not difference:  # suspended: resync when qWD resumes
                 hooks._held_shards.pop(("qwd", id(pipeline), bucket_id), None)
                 hooks._hpz_shards.pop(("qwd", id(pipeline), bucket_id), None)
-                hooks._hpz_shards.pop(("qwd-intra", id(pipeline), bucket_id), None)
             gather_codec, differences = codec, difference
             if differences:
                 topo = hooks.topology(group, hpz=True)
@@ -199,9 +183,9 @@ class FsdpRouting:
             if differences:
                 wbuf = pipeline.get_fsdp_buffer(bucket_id, bwd)
                 _zero_padding(input_tensor, wbuf, wbuf.shard_bucket_index.bucket_data_index)  # no garbage in a block
-                shard, held, copy = hooks._difference_state(pipeline, bucket_id, input_tensor, topo)
+                shard, held = hooks._difference_state(pipeline, bucket_id, input_tensor, topo)
                 handle = hpz_weight_difference_all_gather(output_tensor, input_tensor, shard, held, topo, codec=codec,
-                                                          async_op=True, tag=tag, gather_copy=copy)
+                                                          async_op=True, tag=tag)
                 if not async_op:
                     handle.wait()
                     return None

@@ -171,17 +171,14 @@ def all_gather(cluster: ClusterSpec, group: Group, shard_numel: int, spec: str, 
 
 
 def hpz_difference_gather(cluster: ClusterSpec, group: Group, hpz: int, shard_numel: int, spec: str,
-                          dtype_bytes: int, copy_spec: str = "none") -> Cost:
+                          dtype_bytes: int) -> Cost:
     """qWD on Megatron-FSDP's hpZ copy, once per weight update (``hpz_weight_difference_all_gather``): the ring
     all-gather of every shard's encoded difference over the whole group; each rank encodes its own and decodes
-    only the ``size / hpz`` shards it holds and its own, not every row; with ``copy_spec`` (dp_param_intra) it
-    then encodes the shards it holds for the gathers inside the node."""
+    only the ``size / hpz`` shards it holds and its own, not every row."""
     cost = all_gather(cluster, group, shard_numel, spec, dtype_bytes)
     decoded = min(group.size, group.size // hpz + 1)
     raw = shard_numel * dtype_bytes
     cost.codec_s = _codec_time(cluster, spec, raw, decoded * raw)
-    if copy_spec != "none":
-        cost.codec_s += _codec_time(cluster, copy_spec, group.size // hpz * raw, 0)
     return cost
 
 

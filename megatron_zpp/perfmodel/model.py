@@ -442,8 +442,7 @@ def _predict(cluster: ClusterSpec, workload: WorkloadSpec, mp: ModelledPolicy) -
     def param_cost(numel: int, group, backward: bool) -> Cost:
         hpz = pol.hpz_partition(group.node_size)
         if qwd_on_hpz(group):  # every gather, forward and backward: the node's held copy, in the weights' dtype
-            # (or its encoding by dp_param_intra)
-            return C.hpz_gather(cluster, group, hpz, shard(numel, group), pol.param_intra, lay.param_bytes)
+            return C.hpz_gather(cluster, group, hpz, shard(numel, group), "none", lay.param_bytes)
         spec = ZEROPP_WEIGHTS if pol.param_difference and lay.zero_mode == "fsdp" else param_spec
         if backward and hpz > 1:  # a group with one member per node keeps no hpZ copy: its backward gathers again
             return C.hpz_gather(cluster, group, hpz, shard(numel, group), spec, lay.param_bytes)
@@ -455,7 +454,7 @@ def _predict(cluster: ClusterSpec, workload: WorkloadSpec, mp: ModelledPolicy) -
         if not qwd_on_hpz(group):
             return Cost()
         return C.hpz_difference_gather(cluster, group, pol.hpz_partition(group.node_size), shard(numel, group),
-                                       param_spec, lay.param_bytes, pol.param_intra)
+                                       param_spec, lay.param_bytes)
 
     def job_bytes(costs: list[Cost]) -> TagBytes:
         """Bytes of the whole job: each bucket's group's bytes times the groups of its kind."""

@@ -66,8 +66,3 @@ class ZppConfig:
     dp_param_resync_interval: int | None = None
     """With --zpp-dp-param-difference: gather the weights in full precision every this many iterations (0:
     only at the start and after a checkpoint load, which always resync); default the policy's (0)."""
-    dp_param_intra: str | None = None
-    """With --zpp-dp-param-difference on Megatron-FSDP: codec of the weight gathers inside the node, which read
-    the hpZ copy (none: in the weights' dtype, the default; int8:block=256: a quarter of fp32's bytes, half of
-    bf16's, for ZeRO++'s INT8 rounding of the weights each pass computes with, not carried into the copy).
-    Deterministic int8 or int4 only; for nodes whose intra-node links are not NVLink."""

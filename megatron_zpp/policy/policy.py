@@ -17,8 +17,6 @@ YAML keys::
     dp_param_difference: BOOL           qWD: gather weight differences with the dp.param codec (default false)
     dp_param_resync_interval: INT       with qWD, a full-precision gather every N iterations (0: at start and
                                         after a checkpoint load only)
-    dp_param_intra:    SPEC or null     with qWD on Megatron-FSDP, the codec of the gathers inside the node
-                                        (from the hpZ copy; default none: the weights' dtype)
     description:       free text
 
 DeepSpeed's ZeRO++ keys are accepted as aliases: ``zero_quantized_weights: true`` (dp.param
@@ -42,7 +40,7 @@ EP_DIMENSIONS = DIMENSIONS[4:]  # MoE token dispatch / combine all-to-alls, forw
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "policies"
 ZEROPP_WEIGHTS, ZEROPP_GRADS = "int8:block=256", "int4:block=128"
 _YAML_KEYS = ("codecs", "dp_grad_intra", "hpz_size", "qgz_stages", "dp_grad_until", "dp_uncompressed", "error_feedback",
-              "dp_param_difference", "dp_param_resync_interval", "dp_param_intra", "description",
+              "dp_param_difference", "dp_param_resync_interval", "description",
               "zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size")
 # Codecs with fused kernels: the only ones hpZ's secondary partition and qgZ's pipelined stages take
 # (any registered codec runs on every dimension otherwise: comm/any_codec.py).
@@ -66,7 +64,6 @@ class Policy:
     error_feedback: bool = False
     param_difference: bool = False  # qWD: dp.param gathers weight differences (distributed optimizer)
     param_resync_interval: int = 0  # qWD: full-precision gather every N iterations (0: start and load only)
-    param_intra: str = "none"  # qWD on Megatron-FSDP: codec of the intra-node gathers of the hpZ copy
     description: str = ""
 
     def codec(self, dimension: str) -> str:
@@ -80,7 +77,7 @@ class Policy:
         """What the replicas' weights are gathered with (dp.param codec, qWD, hpZ size): a switch that changes it
         drops the held copies (qWD's shards, hpZ's secondary copy); a qWD scheme starts again from a full-precision
         gather."""
-        return self.codecs["dp.param"], self.param_difference, self.hpz_size, self.param_intra
+        return self.codecs["dp.param"], self.param_difference, self.hpz_size
 
     @property
     def is_identity(self) -> bool:
@@ -116,8 +113,6 @@ class Policy:
         if self.param_difference:
             n = self.param_resync_interval
             parts.append(f"param_difference (exact resync {f'every {n} iterations and ' if n else ''}at start and load)")
-        if self.param_intra != "none":
-            parts.append(f"dp.param.intra={self.param_intra}")
         return ", ".join(parts)
 
     def to_dict(self) -> dict:
@@ -274,26 +269,12 @@ def resolve_policy(config: ZppConfig) -> Policy:
     if resync and not difference:
         raise ConfigError(f"policy {name!r}: dp_param_resync_interval={resync} resyncs weight differences; it needs "
                           "dp_param_difference (--zpp-dp-param-difference)")
-    given = config.dp_param_intra if config.dp_param_intra is not None else data.get("dp_param_intra")
-    param_intra = _canonical(given, f"policy {name!r} dp_param_intra")
-    if param_intra != "none":
-        if not difference:
-            raise ConfigError(f"policy {name!r}: dp_param_intra={given!r} compresses qWD's gathers inside the "
-                              "node; it needs dp_param_difference (--zpp-dp-param-difference). Without qWD, "
-                              "hpZ's intra-node gathers already use dp.param's codec")
-        intra_codec = get_codec(param_intra)
-        if _family(param_intra) not in BLOCKWISE_CODECS[1:] or intra_codec.stochastic:
-            # every node's holder of a row encodes it: stochastic rounding would differ between them
-            raise ConfigError(f"policy {name!r}: dp_param_intra={given!r} must be a deterministic "
-                              f"{' or '.join(BLOCKWISE_CODECS[1:])} codec (e.g. int8:block=256), without "
-                              "stochastic rounding; or none")
     rpn = config.ranks_per_node
     if rpn is not None and rpn < 1:
         raise ConfigError(f"--zpp-ranks-per-node={rpn} must be a positive integer")
     return Policy(name=name, codecs=codecs, dp_grad_intra=intra, hpz_size=hpz, ranks_per_node=rpn,
                   qgz_stages=stages, dp_grad_until=float(until), dp_uncompressed=route, error_feedback=feedback,
-                  param_difference=difference, param_resync_interval=resync, param_intra=param_intra,
-                  description=str(data.get("description", "")))
+                  param_difference=difference, param_resync_interval=resync, description=str(data.get("description", "")))
 
 
 def check_policy_devices(policy: Policy, device_type: str) -> None:
