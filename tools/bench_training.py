@@ -70,8 +70,6 @@ COMPONENTS = {
     # SDP4Bit's halves on zeropp (issue 23): 4-bit weight differences alone, the two-level Hadamard gradients alone
     "qwd": ["--zpp-policy", "zeropp", "--zpp-dp-param", "int4:block=2048", "--zpp-dp-param-difference"],
     "sdp4bit-grads": ["--zpp-policy", "sdp4bit", "--zpp-dp-param", "int8:block=256", "--no-zpp-dp-param-difference"],
-    # sdp4bit with Megatron-FSDP's gathers inside the node sending the hpZ copy's INT8 encoding, not its dtype
-    "sdp4bit-intra8": ["--zpp-policy", "sdp4bit", "--zpp-dp-param-intra", "int8:block=256"],
     # issue 24: the measured choice (its calibration and decisions are charged to its iterations)
     "auto": ["--zpp-policy", "auto"],
     # issue 25 (--moe): zeropp on dense and expert parameters plus INT8 token dispatch
