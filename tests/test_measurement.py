@@ -28,18 +28,28 @@ def test_timers_count_nested_waits_once_and_subtract_codec_time():
     with t.wait():  # depth restored after the exception: counted again
         time.sleep(0.01)
     assert t.wait_s >= before + 0.009
-    # By site: the outermost wait's, inner sites not counted again; the sites sum to wait_s
-    t.reset()
+
+
+def test_timers_split_the_exposed_wait_by_the_outermost_site(monkeypatch):
+    """A fake clock: each site gets exactly its outermost wait's time less the codec time inside; inner sites get
+    nothing; the sites sum to wait_s; reset clears them."""
+    import megatron_zpp.comm.stats as stats
+
+    now = [0.0]
+    monkeypatch.setattr(stats.time, "perf_counter", lambda: now[0])
+    t = CommTimers()
     with t.wait("finish_param_sync"):
-        time.sleep(0.02)
-        with t.wait("start_param_sync"):
-            time.sleep(0.01)
+        now[0] += 2.0
+        with t.wait("start_param_sync"):  # finish_param_sync dispatching a gather: counted by the outer site
+            now[0] += 1.0
+            with t.codec():
+                now[0] += 4.0
     with t.wait("finish_grad_sync"):
-        time.sleep(0.01)
-    sites = t.sites()
-    assert set(sites) == {"finish_param_sync", "finish_grad_sync"}, sites
-    assert sites["finish_param_sync"] >= 0.029 and 0.009 <= sites["finish_grad_sync"] < sites["finish_param_sync"]
-    assert sum(sites.values()) == pytest.approx(t.wait_s)
+        now[0] += 0.5
+    assert t.sites() == {"finish_param_sync": 3.0, "finish_grad_sync": 0.5}
+    assert t.wait_s == 3.5 and t.codec_s == 4.0
+    t.reset()
+    assert t.sites() == {} and t.wait_s == 0.0
 
 
 def test_nic_window_counts_one_reader_per_node_and_tolerates_mixed_environments():

@@ -98,7 +98,9 @@ class IterationLogger:
         self.wandb = None
         self.comm_seconds: list[tuple[float, float]] = []  # per iteration: (codec, exposed wait)
         self._last_timers = (0.0, 0.0)
-        self.wait_sites: list[dict[str, float]] = []  # per iteration: exposed wait by site (CommTimers)
+        # exposed wait by site (CommTimers) at the end of the first iteration and of the latest: their difference is
+        # the steady iterations' (O(1) memory over a long run)
+        self._first_sites: dict[str, float] = {}
         self._last_sites: dict[str, float] = {}
         self.nic = NicWindow()
         self._window: tuple | None = None  # (NIC bytes, comm_stats) over the training loop
@@ -150,9 +152,9 @@ class IterationLogger:
         timers = comm_timers().snapshot()
         self.comm_seconds.append((timers[0] - self._last_timers[0], timers[1] - self._last_timers[1]))
         self._last_timers = timers
-        sites = comm_timers().sites()
-        self.wait_sites.append({k: v - self._last_sites.get(k, 0.0) for k, v in sites.items()})
-        self._last_sites = sites
+        self._last_sites = comm_timers().sites()
+        if len(self.times) == 1:
+            self._first_sites = self._last_sites
         self._last_iteration = iteration
         a = self.args
         if iteration % a.log_interval and iteration != a.train_iters:
@@ -209,16 +211,17 @@ class IterationLogger:
             mine = mine.cuda()
         dist.all_reduce(mine)
         step, codec, wait = (mine.cpu() / dist.get_world_size()).tolist()
+        # The exposed wait by site, over the same iterations (ranks may have waited at different sites: gathered
+        # as objects). Before the CUDA return: every rank joins this collective whatever its device.
+        base = self._first_sites if len(self.times) > 1 else {}
+        local = {k: (v - base.get(k, 0.0)) / n for k, v in self._last_sites.items()}
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, local)
         if on_cuda:
             # Host timers see launches and host blocking, not stream time: no breakdown on CUDA
             # (use a profiler there), rather than a wrong one.
             return {"step_s": step, "codec_s": None, "exposed_comm_s": None, "compute_s": None,
                     "exposed_by_site": None}
-        # the exposed wait by site, the same way (ranks may have waited at different sites: gathered as objects)
-        sites = self.wait_sites[1:] or self.wait_sites
-        local = {k: sum(d.get(k, 0.0) for d in sites) / n for k in {k for d in sites for k in d}}
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, local)
         by_site = {k: sum(d.get(k, 0.0) for d in everyone) / len(everyone) for k in sorted({k for d in everyone for k in d})}
         return {"step_s": step, "codec_s": codec, "exposed_comm_s": wait, "compute_s": step - codec - wait,
                 "exposed_by_site": by_site}
