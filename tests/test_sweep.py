@@ -64,7 +64,7 @@ class _CapturingCluster:
         self.rate = rate
 
     def run_torchrun(self, script, **kwargs):
-        self.script = script
+        self.script, self.log_path = script, kwargs.get("log_path")
         work = Path(script[script.index("--worker") + 1])
         for name in script[script.index("--policies") + 1].split(","):
             (work / f"{name}.json").write_text(json.dumps({
@@ -84,9 +84,9 @@ def test_tiny_batch_sweep_expands_and_its_batch_reaches_the_trainer(tmp_path):
     points, skipped = sweep.SweepConfig.load(SWEEPS / "sdp4bit-tiny-batch.yaml").grid()
     assert skipped == [] and {(p.micro_batch_size, p.global_batch_size) for p in points} == {(1, 4)}
     assert {p.path for p in points} == {"distopt", "fsdp"} and len(points) == 3 * 3 * 2
-    launch = sweep.group_launches(points)[0]
+    launch = sweep.group_launches(points, shared=True)[0]
     cluster = _CapturingCluster()
-    rows, missing = sweep.run_launch(cluster, launch, sweep.RunOptions(out_dir=tmp_path))
+    rows, missing = sweep.run_launch(cluster, launch, sweep.RunOptions(out_dir=tmp_path, shared_launch=True))
     # What each policy's trainer parses: the worker's arguments, then the policy's and the W&B flags (as
     # bench_training.worker builds them), through the trainer's own parser (the last occurrence of a flag wins).
     from megatron_zpp.training.arguments import build_parser
@@ -195,13 +195,34 @@ def test_points_group_into_one_launch_per_layout_path_rate():
                                            path=["distopt", "fsdp"], nodes=[2, 4]))
     points, skipped = c.grid()
     assert len(skipped) == 4  # hpz x distopt x 2 rates x 2 layouts
-    launches = sweep.group_launches(points)
+    launches = sweep.group_launches(points, shared=True)
     assert [(x.nodes, x.path, x.rate, x.policies) for x in launches] == [
         (2, "distopt", "25mbit", ["megatron", "qwz"]), (2, "fsdp", "25mbit", ["megatron", "qwz", "hpz"]),
         (2, "distopt", "unshaped", ["megatron", "qwz"]), (2, "fsdp", "unshaped", ["megatron", "qwz", "hpz"]),
         (4, "distopt", "25mbit", ["megatron", "qwz"]), (4, "fsdp", "25mbit", ["megatron", "qwz", "hpz"]),
         (4, "distopt", "unshaped", ["megatron", "qwz"]), (4, "fsdp", "unshaped", ["megatron", "qwz", "hpz"])]
     assert sum(len(x.points) for x in launches) == len(points)
+
+
+def test_by_default_each_run_is_its_own_launch_with_its_own_log(tmp_path):
+    # A policy trained second in the same processes timed slower than trained first, so by default no run shares
+    # a launch. The compared policies of a path and rate stay adjacent, in the file's order.
+    c = sweep.SweepConfig.from_dict(config(policy=["zeropp", "sdp4bit"], rate=["25mbit", "unshaped"],
+                                           path=["distopt", "fsdp"]))
+    points, _ = c.grid()
+    launches = sweep.group_launches(points)
+    assert [(x.path, x.rate, x.policies) for x in launches] == [
+        (path, rate, [policy]) for rate in ("25mbit", "unshaped") for path in ("distopt", "fsdp")
+        for policy in ("zeropp", "sdp4bit")]
+    cluster = _CapturingCluster()
+    logs = []
+    for launch in launches[:2]:
+        rows, missing = sweep.run_launch(cluster, launch, sweep.RunOptions(out_dir=tmp_path))
+        assert missing == [] and [r["policy"] for r in rows] == launch.policies
+        assert cluster.script[cluster.script.index("--policies") + 1] == launch.policies[0]
+        logs.append(cluster.log_path)
+    # One log per run: the second launch at the same path and rate does not overwrite the first's.
+    assert [p.name for p in logs] == ["log-distopt-25mbit-zeropp.txt", "log-distopt-25mbit-sdp4bit.txt"]
 
 
 def test_wandb_flags_are_trainer_flags():

@@ -142,13 +142,13 @@ def predict_row(cluster_yaml: Path | None, path: str, rate_bps: float | None, po
 def launch(cluster, path: str, rate: str, policies: list[str], *, iters: int, log_dir: Path,
            log_interval: int | None = None, timeout: float = 3600, python: str = sys.executable,
            verbose: bool = False, extra_flags: dict[str, list[str]] | None = None, on_line=None,
-           model_extra: list[str] | None = None) -> tuple:
+           model_extra: list[str] | None = None, log_tag: str | None = None) -> tuple:
     """One ``torchrun`` launch on ``cluster`` at inter-node ``rate`` that trains each policy in turn.
 
     Returns ``(result, summaries)``: netemu's ``RunResult`` and ``{policy: run summary}`` for the
     policies that finished (a failed launch keeps those before the failure). ``extra_flags`` adds
     trainer flags per policy, ``model_extra`` to every policy (``MOE_ARGS``). Node output goes to
-    ``log_dir/log-{path}-{rate}.txt``.
+    ``log_dir/log-{path}-{rate}.txt`` (``log-{path}-{rate}-{log_tag}.txt`` with a ``log_tag``).
     """
     from netemu import free_port
 
@@ -163,7 +163,7 @@ def launch(cluster, path: str, rate: str, policies: list[str], *, iters: int, lo
                                                      "--log-interval", str(log_interval or iters)])]
     if extra_flags:
         script += ["--worker-extra", json.dumps(extra_flags)]
-    log_path = Path(log_dir) / f"log-{path}-{rate}.txt"
+    log_path = Path(log_dir) / (f"log-{path}-{rate}-{log_tag}.txt" if log_tag else f"log-{path}-{rate}.txt")
     result = cluster.run_torchrun(script, timeout=timeout, master_port=free_port(), python=python, echo=verbose,
                                   log_path=log_path, on_line=on_line)
     if result.failure:

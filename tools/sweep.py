@@ -11,10 +11,12 @@ or ``value``, ``program``, ``command``), so the same file drives ``wandb sweep``
 ``log_interval``, ``nodes``, ``ranks_per_node``, ``micro_batch_size`` and ``global_batch_size`` (the
 make-train model's 4 and 32 unless set; 1 and the rank count is the tiny-batch-per-GPU regime of a large job).
 
-``--local`` expands the grid itself (no W&B server): grid points are grouped by (layout, path, batch,
-rate, iterations) and each group is one ``torchrun`` launch on one emulated cluster that trains
-its policies one after another (``tools/bench_training.py``'s launcher; start-up is paid once per
-rate). Every run is a W&B run created by the trainer on one rank (offline unless ``WANDB_MODE``
+``--local`` expands the grid itself (no W&B server): each grid point is one ``torchrun`` launch
+(``tools/bench_training.py``'s launcher), on one emulated cluster per layout, so every run starts in
+fresh processes. ``--shared-launch`` instead trains the policies of one (layout, path, batch, rate,
+iterations) one after another in one launch, paying start-up once per rate; it is faster but not fair
+for timing: a policy trained second in the same processes measured 10-30% slower steps (compute and
+exposed communication) than trained first (docs/bench/2026-11-28-fsdp-forward-gathers/order). Every run is a W&B run created by the trainer on one rank (offline unless ``WANDB_MODE``
 says otherwise): group = the sweep's name, job type = the path, name = ``policy@rate``; config:
 policy (and the resolved per-dimension codecs), rate, path, layout; per log interval: step time,
 tokens/s, loss, ``comm/{tag}/{intra,inter}_MB`` counted; summary: seconds per iteration, tokens/s,
@@ -267,8 +269,12 @@ class Launch:
         return [p.policy for p in self.points]
 
 
-def group_launches(points: list[GridPoint]) -> list[Launch]:
-    """Group points into launches, layouts contiguous (one cluster each), first-seen order otherwise."""
+def group_launches(points: list[GridPoint], *, shared: bool = False) -> list[Launch]:
+    """Points as launches, layouts contiguous (one cluster each), first-seen order otherwise.
+
+    One launch per point unless ``shared``: then the points of one (layout, path, rate, iterations, batch)
+    train in one launch, one after another in the same processes (start-up paid once, timings biased by
+    the order; see the module docstring)."""
     launches: dict[tuple, Launch] = {}
     for p in points:
         key = (p.nodes, p.ranks_per_node, p.path, p.rate, p.iters, p.log_interval, p.micro_batch_size,
@@ -277,7 +283,12 @@ def group_launches(points: list[GridPoint]) -> list[Launch]:
         if p.policy not in launch.policies:  # a policy twice in 'values' trains once
             launch.points.append(p)
     layouts = list(dict.fromkeys((launch.nodes, launch.ranks_per_node) for launch in launches.values()))
-    return sorted(launches.values(), key=lambda launch: layouts.index((launch.nodes, launch.ranks_per_node)))
+    grouped = sorted(launches.values(), key=lambda launch: layouts.index((launch.nodes, launch.ranks_per_node)))
+    if shared:
+        return grouped
+    # The policies compared at one path and rate stay adjacent in time, so a drift in the machine's load
+    # reaches them alike.
+    return [dataclasses.replace(launch, points=[p]) for launch in grouped for p in launch.points]
 
 
 def wandb_flags(point: GridPoint, *, project: str, save_dir: Path, group: str | None) -> list[str]:
@@ -297,6 +308,8 @@ def wandb_flags(point: GridPoint, *, project: str, save_dir: Path, group: str | 
 @dataclass
 class RunOptions:
     out_dir: Path
+    shared_launch: bool = False
+    """Train the policies of one path and rate in one launch (``group_launches(shared=True)``)."""
     project: str = DEFAULT_PROJECT
     group: str | None = None
     timeout: float = 3600
@@ -332,7 +345,8 @@ def run_launch(cluster, launch: Launch, opts: RunOptions) -> tuple[list[dict], l
     _, summaries = bench_training.launch(cluster, launch.path, launch.rate, launch.policies, iters=launch.iters,
                                          log_interval=launch.log_interval, log_dir=opts.out_dir,
                                          timeout=opts.timeout, python=opts.python, verbose=opts.verbose,
-                                         extra_flags=extra, model_extra=launch.points[0].batch_flags)
+                                         extra_flags=extra, model_extra=launch.points[0].batch_flags,
+                                         log_tag=None if opts.shared_launch else launch.policies[0])
     rows = []
     for name, s in summaries.items():
         row = bench_training.summary_row(launch.path, launch.rate, name, s) | {
@@ -351,7 +365,7 @@ def run_local(config: SweepConfig, opts: RunOptions) -> list[str]:
     points, skipped = config.grid()
     for point, why in skipped:
         print(f"sweep: skipping {point.path} {point.run_name}: {why}")
-    launches = group_launches(points)
+    launches = group_launches(points, shared=opts.shared_launch)
     _require_namespaces()
     from netemu import terminate_like_ctrl_c
 
@@ -588,6 +602,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=3600, help="seconds per launch")
     p.add_argument("--python", default=sys.executable, help="interpreter for torchrun on the nodes")
     p.add_argument("--verbose", action="store_true", help="echo node 0's training log")
+    p.add_argument("--shared-launch", action="store_true",
+                   help="--local: train a path and rate's policies one after another in one launch (start-up paid "
+                        "once per rate, but a policy's timing then depends on what trained before it in the same "
+                        "processes); default: one launch per run")
     points = p.add_argument_group("--run-one: the point (W&B's ${args} spells them --name=value)")
     for name, f in PARAMETERS.items():
         spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
@@ -624,13 +642,13 @@ def _main(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     config = SweepConfig.load(a.config)
     opts = RunOptions(out_dir=a.out_dir or REPO / "out" / "sweeps" / config.name, timeout=a.timeout, python=a.python,
                       verbose=a.verbose, project=a.project or config.raw.get("project") or DEFAULT_PROJECT,
-                      group=config.name)
+                      group=config.name, shared_launch=a.shared_launch)
     if a.dry_run or a.local:
         if config.method != "grid":
             p.error(f"--local and --dry-run expand method 'grid' only (the file says {config.method!r}); "
                     f"random and bayes need the W&B server: wandb sweep {a.config}, then --agent SWEEP_ID")
         points, skipped = config.grid()
-        launches = group_launches(points)
+        launches = group_launches(points, shared=a.shared_launch)
         if a.dry_run:
             print(f"sweep {config.name}: {len(points)} runs in {len(launches)} launches"
                   + (f", {len(skipped)} skipped" if skipped else ""))
