@@ -746,7 +746,7 @@ def qgz_hadamard_worker(seed: int) -> dict:
 
 
 def hpz_weight_difference_worker(dtype_name: str, codec: str, shard: int, steps: int, resync_at: int,
-                                 hpz_size: int) -> dict:
+                                 hpz_size: int, refresh_at_wait: bool | None = None) -> dict:
     """qWD on the hpZ secondary copy (ZeRO-3): per step an optimizer-like update of this rank's own shard (not
     part of the gathered buffer, as in Megatron-FSDP), then three gathers (a forward's, a backward's and the next
     micro-batch's). Per gather: whether every rank got the same bits, the worst error of every row against its
@@ -780,7 +780,9 @@ def hpz_weight_difference_worker(dtype_name: str, codec: str, shard: int, steps:
             output = torch.full((size * shard,), float("nan"), dtype=dtype)
             comm_stats().reset()
             handle = hpz_weight_difference_all_gather(output, mine, secondary, held, topo, codec=codec,
-                                                      async_op=use == 1)
+                                                      async_op=use == 1 or (use == 0 and step % 2 == 1),
+                                                      refresh_at_wait=refresh_at_wait)
+            queued = len(topo._groups.in_flight)  # steps left for the next collective's start to issue
             if handle is not None:
                 handle.wait()
             stats = comm_stats().summed_over_ranks()
@@ -799,7 +801,8 @@ def hpz_weight_difference_worker(dtype_name: str, codec: str, shard: int, steps:
                 bound = step_bound + rounding + step_bound * FP32_SLOP + 1e-30
                 worst = float(((got - targets).abs() / bound).max())
             out.append({"step": step, "use": use, "resync": resync, "identical": identical, "worst": worst,
-                        "inter": inter, "held_is_output": bool(torch.equal(held.value, output.view(size, shard)[rank]))})
+                        "inter": inter, "queued": queued,
+                        "held_is_output": bool(torch.equal(held.value, output.view(size, shard)[rank]))})
         holds = [output.view(size, shard)[r].clone() for r in range(size)]
     # Two gathers of the same stale copy dispatched before either is waited (the second waited first): one
     # difference, applied once; both outputs the same, within the bound.
@@ -810,8 +813,8 @@ def hpz_weight_difference_worker(dtype_name: str, codec: str, shard: int, steps:
     targets = torch.stack([e.to(dtype) for e in exact]).float()
     bases = torch.stack([h.float() for h in holds])
     outputs = [torch.full((size * shard,), float("nan"), dtype=dtype) for _ in range(2)]
-    handles = [hpz_weight_difference_all_gather(o, mine, secondary, held, topo, codec=codec, async_op=True)
-               for o in outputs]
+    handles = [hpz_weight_difference_all_gather(o, mine, secondary, held, topo, codec=codec, async_op=True,
+                                                refresh_at_wait=refresh_at_wait) for o in outputs]
     for h in reversed(handles):
         h.wait()
     step_bound = block_absmax(targets - bases, shard, block) / qmax * per_scale
@@ -826,7 +829,7 @@ def hpz_weight_difference_worker(dtype_name: str, codec: str, shard: int, steps:
     if rank == 0:
         mine[3] = float("nan")
     output = torch.empty(size * shard, dtype=dtype)
-    hpz_weight_difference_all_gather(output, mine, secondary, held, topo, codec=codec)
+    hpz_weight_difference_all_gather(output, mine, secondary, held, topo, codec=codec, refresh_at_wait=refresh_at_wait)
     nan_rows = torch.isnan(output.view(size, shard).float()).any(dim=1).tolist()
     return {"gathers": out, "nan_rows": nan_rows, "row_bytes": layout.row_bytes(shard, bits, block),
             "secondary_bytes": secondary.nbytes, "overlapped": overlapped}

@@ -256,19 +256,29 @@ def test_weight_difference_gather_keeps_replicas_identical_and_error_bounded(dty
         assert r["row_bytes"] / r["qwz_row_bytes"] <= 0.55
 
 
-@pytest.mark.parametrize("nodes,per_node,hpz", [(2, 2, 2), pytest.param(2, 4, 2, marks=pytest.mark.slow)],
-                         ids=["2x2-hpz2", "2x4-hpz2"])
-def test_hpz_weight_difference_gather_for_zero3(nodes, per_node, hpz):
+@pytest.mark.parametrize("nodes,per_node,hpz,refresh_at_wait", [
+    (2, 2, 2, None), (2, 2, 2, False), pytest.param(2, 4, 2, True, marks=pytest.mark.slow)],
+    ids=["2x2-hpz2-gloo-default", "2x2-hpz2-refresh-at-next-call", "2x4-hpz2-refresh-at-wait"])
+def test_hpz_weight_difference_gather_for_zero3(nodes, per_node, hpz, refresh_at_wait):
     """qWD on the hpZ secondary copy (issue 23, Megatron-FSDP): 6 updates, a resync at step 4, three gathers per
     update. Every replica gets the same bits at every gather; every row is within one quantization step of its
     owner's last difference (no accumulated error); the first gather after an update is the only one that
     crosses nodes (the packed difference rows), the others stay inside the node; a resync is exact; a NaN
     reaches every replica; each rank holds size / hpz shards in the weights' dtype; two gathers of one update
-    dispatched before either is waited apply its difference once."""
+    dispatched before either is waited apply its difference once. Both places of the refresh (the decode and
+    the intra-node gather): at ``wait()`` (gloo's default) nothing is left for the next collective's start to
+    issue, which would block gloo's host; as a middle step (NCCL's default) the stale gather leaves one. Its
+    first gather after an update is asynchronous at odd steps, synchronous at even ones."""
     shard, steps, resync_at = 3001, 6, 4
     world = nodes * per_node
     results = run_distributed(checks.hpz_weight_difference_worker, world, "bfloat16", "int4:block=2048", shard,
-                              steps, resync_at, hpz, ranks_per_node=per_node)
+                              steps, resync_at, hpz, refresh_at_wait, ranks_per_node=per_node)
+    # a middle step left only by an asynchronous gather of a stale copy (the others are one hop, a synchronous
+    # call finishes its steps), and only when the refresh is not at wait(): None on gloo is at wait()
+    stale = [not g["resync"] and g["use"] == 0 and g["step"] % 2 == 1 for g in results[0]["gathers"]]
+    for r in results:
+        expected = [0] * len(stale) if refresh_at_wait is not False else [int(s) for s in stale]
+        assert [g["queued"] for g in r["gathers"]] == expected
     for rank, r in enumerate(results):
         assert all(g["identical"] for g in r["gathers"]), [g for g in r["gathers"] if not g["identical"]]
         assert all(g["held_is_output"] for g in r["gathers"])

@@ -222,7 +222,12 @@ def test_by_default_each_run_is_its_own_launch_with_its_own_log(tmp_path):
         assert cluster.script[cluster.script.index("--policies") + 1] == launch.policies[0]
         logs.append(cluster.log_path)
     # One log per run: the second launch at the same path and rate does not overwrite the first's.
-    assert [p.name for p in logs] == ["log-distopt-25mbit-zeropp.txt", "log-distopt-25mbit-sdp4bit.txt"]
+    assert [p.name for p in logs] == ["log-distopt-25mbit-zeropp-2x2-8it.txt", "log-distopt-25mbit-sdp4bit-2x2-8it.txt"]
+    # Nor does a run in another layout or of another length, and a shared launch keeps one log per path and rate.
+    other = sweep.group_launches([sweep.GridPoint(policy="zeropp", rate="25mbit", nodes=4, micro_batch_size=1,
+                                                  global_batch_size=8, iters=6)])[0]
+    assert other.log_tag == "zeropp-4x2-6it"
+    assert sweep.group_launches(points, shared=True)[0].log_tag is None
 
 
 def test_wandb_flags_are_trainer_flags():

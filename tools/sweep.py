@@ -15,9 +15,10 @@ make-train model's 4 and 32 unless set; 1 and the rank count is the tiny-batch-p
 (``tools/bench_training.py``'s launcher), on one emulated cluster per layout, so every run starts in
 fresh processes. ``--shared-launch`` instead trains the policies of one (layout, path, batch, rate,
 iterations) one after another in one launch, paying start-up once per rate; it is faster but not fair
-for timing: a policy trained second in the same processes measured 10-30% slower steps (compute and
-exposed communication) than trained first (docs/bench/2026-11-28-fsdp-forward-gathers/order). Every run is a W&B run created by the trainer on one rank (offline unless ``WANDB_MODE``
-says otherwise): group = the sweep's name, job type = the path, name = ``policy@rate``; config:
+for timing: the same policy trained again in the same processes measured up to 16% slower steps the
+second time and 29% the third (compute and exposed communication; docs/bench/2026-11-28-fair-launches).
+Every run is a W&B run created by the trainer on one rank (offline unless ``WANDB_MODE`` says
+otherwise): group = the sweep's name, job type = the path, name = ``policy@rate``; config:
 policy (and the resolved per-dimension codecs), rate, path, layout; per log interval: step time,
 tokens/s, loss, ``comm/{tag}/{intra,inter}_MB`` counted; summary: seconds per iteration, tokens/s,
 cross-node bytes per iteration counted and measured on the emulated NICs, step-time breakdown.
@@ -268,6 +269,14 @@ class Launch:
     def policies(self) -> list[str]:
         return [p.policy for p in self.points]
 
+    @property
+    def log_tag(self) -> str | None:
+        """What tells a one-run launch's log from the others at its path and rate (bench_training's ``log_tag``);
+        None for a shared launch (one log per path and rate)."""
+        if len(self.points) != 1:
+            return None
+        return f"{self.points[0].policy}-{self.nodes}x{self.ranks_per_node}-{self.iters}it"
+
 
 def group_launches(points: list[GridPoint], *, shared: bool = False) -> list[Launch]:
     """Points as launches, layouts contiguous (one cluster each), first-seen order otherwise.
@@ -346,7 +355,7 @@ def run_launch(cluster, launch: Launch, opts: RunOptions) -> tuple[list[dict], l
                                          log_interval=launch.log_interval, log_dir=opts.out_dir,
                                          timeout=opts.timeout, python=opts.python, verbose=opts.verbose,
                                          extra_flags=extra, model_extra=launch.points[0].batch_flags,
-                                         log_tag=None if opts.shared_launch else launch.policies[0])
+                                         log_tag=launch.log_tag)
     rows = []
     for name, s in summaries.items():
         row = bench_training.summary_row(launch.path, launch.rate, name, s) | {

@@ -25,7 +25,7 @@ import torch
 
 from megatron_zpp.compression import Codec, layout
 from megatron_zpp.comm import any_codec
-from megatron_zpp.comm.execution import comm_stream, launch
+from megatron_zpp.comm.execution import backend_name, comm_stream, launch
 from megatron_zpp.comm.stats import comm_stats, comm_timers
 from megatron_zpp.comm.topology import Topology
 from megatron_zpp.comm.wire import (CommHandle, WireFormat, agree, check_float, check_pair, codec_ops, wait,
@@ -348,7 +348,7 @@ def weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, held
 def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, hpz_shard: HpzShard,
                                      held: HeldShard, topology: Topology,
                                      codec: str | Codec | None = "int4:block=2048", async_op: bool = False,
-                                     tag: str = "dp.param"):
+                                     tag: str = "dp.param", refresh_at_wait: bool | None = None):
     """qWD for ZeRO-3 (Megatron-FSDP), on the hpZ secondary partition: ``output`` gets every shard's weights as
     the replicas hold them, gathered *inside the node*; what crosses nodes is one 4-bit difference per shard
     and weight update.
@@ -366,6 +366,15 @@ def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, 
 
     Every replica thus computes with bit-identical weights, and the quantization error is not lost: the next
     difference is taken against what the replicas hold. ``input``'s padding must be zero (or finite).
+
+    Where the stale case's second half (decode, then the intra-node gather) runs, ``refresh_at_wait``:
+
+    * False (NCCL's default): as a middle step, at the next collective's start on this topology (execution.py),
+      so the intra-node gather is in flight early. Waiting for the differences there costs the host nothing.
+    * True (every other backend's default: gloo's ``work.wait()`` blocks the host): at ``wait()``. Megatron-FSDP
+      issues a forward's gathers back to back, so as middle steps each would block the issue of the next until
+      its differences arrived, and the whole refresh would be paid before the forward's first layer; at
+      ``wait()`` each bucket's differences have had the layers before it to arrive, like zeropp's gathers.
     """
     what = "hpz_weight_difference_all_gather"
     size, shard = _check_difference_gather(output, input, held, topology, what)
@@ -380,8 +389,8 @@ def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, 
     agree(topology, what, codec=fmt.spec, dtype=str(input.dtype), hpz=topology.hpz_size)
     if hpz_shard.refreshing is not None:
         # An exchange dispatched earlier has not updated the copy and ``held`` yet (its update runs at the next
-        # progress point): finish it first, or this call would send the same difference again and apply it
-        # twice. The same on every rank, as both calls are.
+        # progress point, or at its wait() with refresh_at_wait): finish it first, or this call would send the
+        # same difference again and apply it twice. The same on every rank, as both calls are.
         pending, hpz_shard.refreshing = hpz_shard.refreshing, None
         pending.wait()
     if not held.valid:
@@ -412,12 +421,14 @@ def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, 
     generation = hpz_shard.generation
     gather_out = output.view(-1).view(torch.uint8)
     secondary = hpz_shard.payload.view(-1).view(input.dtype).view(rows, shard)
+    if refresh_at_wait is None:
+        refresh_at_wait = backend_name(flat.group, input.device) != "nccl"
 
     def first():
         gathered, work = _send_difference(input, held, fmt, scratch, flat, size, rb, me, tag)
         hop2: list = []
 
-        def middle() -> None:
+        def refresh() -> None:
             wait(work)
             packed = gathered.view(size, rb)
             # decoded + fp32(held row), one rounding: the same operation on every node
@@ -431,12 +442,14 @@ def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, 
             hop2.append(hpz.all_gather(gather_out, part))
 
         def finish() -> None:
+            if refresh_at_wait:
+                refresh()
             wait(hop2[0])
             scratch.release()
-        return [middle], finish
+        return ([] if refresh_at_wait else [refresh]), finish
 
     handle = launch(groups.in_flight, stream, (input, output, held.value, hpz_shard.payload), first, True)
-    if handle.steps_left():
+    if handle.steps_left() or refresh_at_wait:  # the copy and ``held`` are updated later, by ``handle``
         hpz_shard.refreshing = handle
     if async_op:
         return handle
