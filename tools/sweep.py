@@ -16,7 +16,7 @@ make-train model's 4 and 32 unless set; 1 and the rank count is the tiny-batch-p
 fresh processes. ``--shared-launch`` instead trains the policies of one (layout, path, batch, rate,
 iterations) one after another in one launch, paying start-up once per rate; it is faster but not fair
 for timing: the same policy trained again in the same processes measured up to 16% slower steps the
-second time and 29% the third (compute and exposed communication; docs/bench/2026-11-28-fair-launches).
+second time and 29% the third (docs/bench/2026-11-28-fair-launches).
 Every run is a W&B run created by the trainer on one rank (offline unless ``WANDB_MODE`` says
 otherwise): group = the sweep's name, job type = the path, name = ``policy@rate``; config:
 policy (and the resolved per-dimension codecs), rate, path, layout; per log interval: step time,
