@@ -449,8 +449,8 @@ def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, 
         return ([] if refresh_at_wait else [refresh]), finish
 
     handle = launch(groups.in_flight, stream, (input, output, held.value, hpz_shard.payload), first, True)
-    if handle.steps_left() or refresh_at_wait:  # the copy and ``held`` are updated later, by ``handle``
-        hpz_shard.refreshing = handle
+    # The copy and ``held`` are updated later, by ``handle`` (its middle step or its wait), in both placements.
+    hpz_shard.refreshing = handle
     if async_op:
         return handle
     handle.wait()
