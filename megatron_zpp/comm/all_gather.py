@@ -21,6 +21,9 @@ so a stale copy (DeepSpeed issues #5059, #7606) is an error, not silent wrong we
 
 from __future__ import annotations
 
+from collections import deque
+from typing import Callable
+
 import torch
 
 from megatron_zpp.compression import Codec, layout
@@ -345,6 +348,22 @@ def weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, held
     return launch(groups.in_flight, stream, (input, output, held.value), first, async_op)
 
 
+def _refresh_through_and_one_ahead(refreshes: deque, own: Callable[[], None]) -> None:
+    """At the wait of a qWD hpZ gather refreshed at wait(): run the queued refreshes (decode, issue the intra-node
+    gather), oldest first, through ``own`` (already run if the previous wait ran it ahead), then one more.
+
+    Deterministic, as the collectives it issues must be: waits come at the same place in every rank's sequence
+    (SPMD), and the queue holds the calls issued and not refreshed, in issue order, the same on every rank.
+    Running the next one blocks on its difference exchange, issued before (Megatron-FSDP prefetches a forward's
+    buckets): at a slow link one bucket earlier than its own wait, which changes little when the link bounds
+    the forward (its last bucket still waits its own exchange); at a fast one its exchange has long arrived and
+    its intra-node gather now overlaps this bucket's layers. Measured: docs/performance.md (issue 23)."""
+    while own in refreshes:
+        refreshes.popleft()()
+    if refreshes:
+        refreshes.popleft()()
+
+
 def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, hpz_shard: HpzShard,
                                      held: HeldShard, topology: Topology,
                                      codec: str | Codec | None = "int4:block=2048", async_op: bool = False,
@@ -371,10 +390,14 @@ def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, 
 
     * False (NCCL's default): as a middle step, at the next collective's start on this topology (execution.py),
       so the intra-node gather is in flight early. Waiting for the differences there costs the host nothing.
-    * True (every other backend's default: gloo's ``work.wait()`` blocks the host): at ``wait()``. Megatron-FSDP
+    * True (every other backend's default: gloo's ``work.wait()`` blocks the host): at a ``wait()``. Megatron-FSDP
       issues a forward's gathers back to back, so as middle steps each would block the issue of the next until
       its differences arrived, and the whole refresh would be paid before the forward's first layer; at
       ``wait()`` each bucket's differences have had the layers before it to arrive, like zeropp's gathers.
+      One bucket ahead: the wait of a call runs the refreshes queued up to its own and then the next call's
+      (:func:`_refresh_through_and_one_ahead`), so the next bucket's intra-node gather is in flight while this
+      bucket computes instead of starting at its own wait, where it waited for the node's slowest rank to
+      reach the same point.
     """
     what = "hpz_weight_difference_all_gather"
     size, shard = _check_difference_gather(output, input, held, topology, what)
@@ -443,9 +466,11 @@ def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, 
 
         def finish() -> None:
             if refresh_at_wait:
-                refresh()
+                _refresh_through_and_one_ahead(groups.refreshes, refresh)
             wait(hop2[0])
             scratch.release()
+        if refresh_at_wait:
+            groups.refreshes.append(refresh)
         return ([] if refresh_at_wait else [refresh]), finish
 
     handle = launch(groups.in_flight, stream, (input, output, held.value, hpz_shard.payload), first, True)
