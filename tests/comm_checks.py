@@ -746,7 +746,7 @@ def qgz_hadamard_worker(seed: int) -> dict:
 
 
 def hpz_weight_difference_worker(dtype_name: str, codec: str, shard: int, steps: int, resync_at: int,
-                                 hpz_size: int, refresh_at_wait: bool | None = None) -> dict:
+                                 hpz_size: int) -> dict:
     """qWD on the hpZ secondary copy (ZeRO-3): per step an optimizer-like update of this rank's own shard (not
     part of the gathered buffer, as in Megatron-FSDP), then three gathers (a forward's, a backward's and the next
     micro-batch's). Per gather: whether every rank got the same bits, the worst error of every row against its
@@ -780,8 +780,7 @@ def hpz_weight_difference_worker(dtype_name: str, codec: str, shard: int, steps:
             output = torch.full((size * shard,), float("nan"), dtype=dtype)
             comm_stats().reset()
             handle = hpz_weight_difference_all_gather(output, mine, secondary, held, topo, codec=codec,
-                                                      async_op=use == 1 or (use == 0 and step % 2 == 1),
-                                                      refresh_at_wait=refresh_at_wait)
+                                                      async_op=use == 1 or (use == 0 and step % 2 == 1))
             queued = len(topo._groups.in_flight)  # steps left for the next collective's start to issue
             if handle is not None:
                 handle.wait()
@@ -813,8 +812,8 @@ def hpz_weight_difference_worker(dtype_name: str, codec: str, shard: int, steps:
     targets = torch.stack([e.to(dtype) for e in exact]).float()
     bases = torch.stack([h.float() for h in holds])
     outputs = [torch.full((size * shard,), float("nan"), dtype=dtype) for _ in range(2)]
-    handles = [hpz_weight_difference_all_gather(o, mine, secondary, held, topo, codec=codec, async_op=True,
-                                                refresh_at_wait=refresh_at_wait) for o in outputs]
+    handles = [hpz_weight_difference_all_gather(o, mine, secondary, held, topo, codec=codec, async_op=True)
+               for o in outputs]
     for h in reversed(handles):
         h.wait()
     step_bound = block_absmax(targets - bases, shard, block) / qmax * per_scale
@@ -829,7 +828,63 @@ def hpz_weight_difference_worker(dtype_name: str, codec: str, shard: int, steps:
     if rank == 0:
         mine[3] = float("nan")
     output = torch.empty(size * shard, dtype=dtype)
-    hpz_weight_difference_all_gather(output, mine, secondary, held, topo, codec=codec, refresh_at_wait=refresh_at_wait)
+    hpz_weight_difference_all_gather(output, mine, secondary, held, topo, codec=codec)
     nan_rows = torch.isnan(output.view(size, shard).float()).any(dim=1).tolist()
     return {"gathers": out, "nan_rows": nan_rows, "row_bytes": layout.row_bytes(shard, bits, block),
-            "secondary_bytes": secondary.nbytes, "overlapped": overlapped}
+            "secondary_bytes": secondary.nbytes, "overlapped": overlapped,
+            "buckets": _hpz_difference_buckets(topo, dtype, codec, shard)}
+
+
+def _hpz_difference_buckets(topo: Topology, dtype: torch.dtype, codec: str, shard: int, buckets: int = 3,
+                            steps: int = 3) -> dict:
+    """Megatron-FSDP's forward: every bucket's gather issued back to back, then each waited in order. After the
+    issues, the middle steps left queued and the intra-node gathers issued; per wait, which buckets' copies are refreshed already (``valid``); per
+    bucket and update, whether every rank got the same bits and its worst error relative to the bound."""
+    from megatron_zpp.comm import hpz_weight_difference_all_gather
+
+    size, rank = topo.size, topo.rank
+    bits, block, per_scale = codec_params(codec)
+    qmax = layout.qmax_for_bits(bits)
+    gens = [gen(57, r) for r in range(size)]
+    exact = [[heavy_tailed(shard, gens[r]).float() * 0.05 for r in range(size)] for _ in range(buckets)]
+    secondary = [HpzShard(topo, shard, dtype, "none") for _ in range(buckets)]
+    held = [HeldShard(shard, dtype) for _ in range(buckets)]
+    holds = [None] * buckets
+    refreshed, queued, node_gathers, identical, worst = [], [], [], [], 0.0
+    word = torch.int16 if dtype != torch.float32 else torch.int32
+    hpz = topo._groups.hpz
+    issued = []  # the intra-node gathers issued so far (the stale copies' hop)
+    hpz.all_gather = lambda out, inp, _gather=type(hpz).all_gather: issued.append(1) or _gather(hpz, out, inp)
+    for step in range(steps):
+        if step:
+            for b in range(buckets):
+                for r in range(size):
+                    exact[b][r] += 1e-3 * torch.randn(shard, generator=gens[r])
+                secondary[b].invalidate()
+        outputs = [torch.full((size * shard,), float("nan"), dtype=dtype) for _ in range(buckets)]
+        handles = [hpz_weight_difference_all_gather(outputs[b], exact[b][rank].to(dtype), secondary[b], held[b], topo,
+                                                    codec=codec, async_op=True)
+                   for b in range(buckets)]
+        if step:
+            queued.append(len(topo._groups.in_flight))
+            node_gathers.append(len(issued))
+            issued.clear()
+        for b in range(buckets):
+            handles[b].wait()
+            if step:
+                refreshed.append([s.valid for s in secondary])
+        for b in range(buckets):
+            everyone = [torch.empty_like(outputs[b]) for _ in range(size)]
+            dist.all_gather(everyone, outputs[b])
+            identical.append(all(torch.equal(e.view(word), outputs[b].view(word)) for e in everyone))
+            if step:
+                targets = torch.stack([e.to(dtype) for e in exact[b]]).float()
+                got = outputs[b].view(size, shard).float()
+                step_bound = block_absmax(targets - holds[b], shard, block) / qmax * per_scale
+                bound = (step_bound + torch.maximum(got.abs(), targets.abs()) * OUT_EPS[dtype]
+                         + step_bound * FP32_SLOP + 1e-30)
+                worst = max(worst, float(((got - targets).abs() / bound).max()))
+        holds = [o.view(size, shard).float() for o in outputs]
+    del hpz.all_gather
+    return {"refreshed": refreshed, "queued": queued, "node_gathers": node_gathers, "identical": identical,
+            "worst": worst}

@@ -256,29 +256,26 @@ def test_weight_difference_gather_keeps_replicas_identical_and_error_bounded(dty
         assert r["row_bytes"] / r["qwz_row_bytes"] <= 0.55
 
 
-@pytest.mark.parametrize("nodes,per_node,hpz,refresh_at_wait", [
-    (2, 2, 2, None), (2, 2, 2, False), pytest.param(2, 4, 2, True, marks=pytest.mark.slow)],
-    ids=["2x2-hpz2-gloo-default", "2x2-hpz2-refresh-at-next-call", "2x4-hpz2-refresh-at-wait"])
-def test_hpz_weight_difference_gather_for_zero3(nodes, per_node, hpz, refresh_at_wait):
+@pytest.mark.parametrize("nodes,per_node,hpz", [(2, 2, 2), pytest.param(2, 4, 2, marks=pytest.mark.slow)],
+                         ids=["2x2-hpz2", "2x4-hpz2"])
+def test_hpz_weight_difference_gather_for_zero3(nodes, per_node, hpz):
     """qWD on the hpZ secondary copy (issue 23, Megatron-FSDP): 6 updates, a resync at step 4, three gathers per
     update. Every replica gets the same bits at every gather; every row is within one quantization step of its
     owner's last difference (no accumulated error); the first gather after an update is the only one that
     crosses nodes (the packed difference rows), the others stay inside the node; a resync is exact; a NaN
     reaches every replica; each rank holds size / hpz shards in the weights' dtype; two gathers of one update
-    dispatched before either is waited apply its difference once. Both places of the refresh (the decode and
-    the intra-node gather): at ``wait()`` (gloo's default) nothing is left for the next collective's start to
-    issue, which would block gloo's host; as a middle step (NCCL's default) the stale gather leaves one. Its
-    first gather after an update is asynchronous at odd steps, synchronous at even ones."""
+    dispatched before either is waited apply its difference once. Both hops are issued at the call: nothing is
+    left for the next collective's start to issue (on gloo that would block the host while Megatron-FSDP issues
+    a forward's gathers). Its first gather after an update is asynchronous at odd steps, synchronous at even
+    ones. Three buckets issued back to back and waited in order (Megatron-FSDP's forward): each gets the same
+    bits everywhere, every bucket's intra-node hop is in flight before the first wait, and a bucket's copy is
+    refreshed at its own wait, not before."""
     shard, steps, resync_at = 3001, 6, 4
     world = nodes * per_node
     results = run_distributed(checks.hpz_weight_difference_worker, world, "bfloat16", "int4:block=2048", shard,
-                              steps, resync_at, hpz, refresh_at_wait, ranks_per_node=per_node)
-    # a middle step left only by an asynchronous gather of a stale copy (the others are one hop, a synchronous
-    # call finishes its steps), and only when the refresh is not at wait(): None on gloo is at wait()
-    stale = [not g["resync"] and g["use"] == 0 and g["step"] % 2 == 1 for g in results[0]["gathers"]]
+                              steps, resync_at, hpz, ranks_per_node=per_node)
     for r in results:
-        expected = [0] * len(stale) if refresh_at_wait is not False else [int(s) for s in stale]
-        assert [g["queued"] for g in r["gathers"]] == expected
+        assert [g["queued"] for g in r["gathers"]] == [0] * len(r["gathers"])
     for rank, r in enumerate(results):
         assert all(g["identical"] for g in r["gathers"]), [g for g in r["gathers"] if not g["identical"]]
         assert all(g["held_is_output"] for g in r["gathers"])
@@ -288,6 +285,10 @@ def test_hpz_weight_difference_gather_for_zero3(nodes, per_node, hpz, refresh_at
         assert r["secondary_bytes"] == world // hpz * shard * 2
         assert r["overlapped"]["same"] and r["overlapped"]["held_is_output"], r["overlapped"]
         assert r["overlapped"]["worst"] <= 1.0, r["overlapped"]  # applied once: twice is ~2 steps off
+        b = r["buckets"]
+        assert all(b["identical"]) and b["worst"] <= 1.0 and b["queued"] == [0, 0], b
+        assert b["node_gathers"] == [3, 3], b  # every bucket's intra-node hop in flight before the first wait
+        assert b["refreshed"] == [[True, False, False], [True, True, False], [True, True, True]] * 2, b["refreshed"]
     r = results[0]
     first = [g["inter"] for g in r["gathers"] if g["use"] == 0 and not g["resync"]]
     later = [g["inter"] for g in r["gathers"] if g["use"] > 0]

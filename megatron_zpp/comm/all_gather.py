@@ -21,14 +21,11 @@ so a stale copy (DeepSpeed issues #5059, #7606) is an error, not silent wrong we
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Callable
-
 import torch
 
 from megatron_zpp.compression import Codec, layout
 from megatron_zpp.comm import any_codec
-from megatron_zpp.comm.execution import backend_name, comm_stream, launch
+from megatron_zpp.comm.execution import comm_stream, launch
 from megatron_zpp.comm.stats import comm_stats, comm_timers
 from megatron_zpp.comm.topology import Topology
 from megatron_zpp.comm.wire import (CommHandle, WireFormat, agree, check_float, check_pair, codec_ops, wait,
@@ -348,26 +345,10 @@ def weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, held
     return launch(groups.in_flight, stream, (input, output, held.value), first, async_op)
 
 
-def _refresh_through_and_one_ahead(refreshes: deque, own: Callable[[], None]) -> None:
-    """At the wait of a qWD hpZ gather refreshed at wait(): run the queued refreshes (decode, issue the intra-node
-    gather), oldest first, through ``own`` (already run if the previous wait ran it ahead), then one more.
-
-    Deterministic, as the collectives it issues must be: waits come at the same place in every rank's sequence
-    (SPMD), and the queue holds the calls issued and not refreshed, in issue order, the same on every rank.
-    Running the next one blocks on its difference exchange, issued before (Megatron-FSDP prefetches a forward's
-    buckets): at a slow link one bucket earlier than its own wait, which changes little when the link bounds
-    the forward (its last bucket still waits its own exchange); at a fast one its exchange has long arrived and
-    its intra-node gather now overlaps this bucket's layers. Measured: docs/performance.md (issue 23)."""
-    while own in refreshes:
-        refreshes.popleft()()
-    if refreshes:
-        refreshes.popleft()()
-
-
 def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, hpz_shard: HpzShard,
                                      held: HeldShard, topology: Topology,
                                      codec: str | Codec | None = "int4:block=2048", async_op: bool = False,
-                                     tag: str = "dp.param", refresh_at_wait: bool | None = None):
+                                     tag: str = "dp.param"):
     """qWD for ZeRO-3 (Megatron-FSDP), on the hpZ secondary partition: ``output`` gets every shard's weights as
     the replicas hold them, gathered *inside the node*; what crosses nodes is one 4-bit difference per shard
     and weight update.
@@ -378,26 +359,22 @@ def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, 
     * ``held`` not valid (the first gather, after a checkpoint load or a resync): a full-precision all-gather,
       which fills the secondary copy; ``held`` becomes this rank's shard.
     * ``hpz_shard`` valid (gathered since the weights last changed): :func:`hpz_all_gather`, inside the node.
-    * ``hpz_shard`` stale (``invalidate()`` after an optimizer step): every rank quantizes ``input - held``
-      with ``codec`` and the packed rows are all-gathered; each rank adds the decoded differences of the
-      shards it holds to its secondary copy (``cast(fp32(held row) + decoded)``, the same bits on every node),
-      the owner also to ``held``; then the intra-node gather of the refreshed copy fills ``output``.
+    * ``hpz_shard`` stale (``invalidate()`` after an optimizer step): two collectives, both issued at the call:
+      every rank's quantized ``input - held`` all-gathered across all ranks (with ``codec``), and the stale copy
+      gathered inside the node. At ``wait()`` every rank adds the decoded differences of *every* shard to the
+      gathered copy (``cast(fp32(held row) + decoded)``), then keeps its secondary rows and ``held`` from the result.
 
-    Every replica thus computes with bit-identical weights, and the quantization error is not lost: the next
-    difference is taken against what the replicas hold. ``input``'s padding must be zero (or finite).
+    Every replica thus computes with bit-identical weights (the same operation on the same bits everywhere: the
+    secondary copies are identical across nodes), and the quantization error is not lost: the next difference is
+    taken against what the replicas hold. ``input``'s padding must be zero (or finite).
 
-    Where the stale case's second half (decode, then the intra-node gather) runs, ``refresh_at_wait``:
-
-    * False (NCCL's default): as a middle step, at the next collective's start on this topology (execution.py),
-      so the intra-node gather is in flight early. Waiting for the differences there costs the host nothing.
-    * True (every other backend's default: gloo's ``work.wait()`` blocks the host): at a ``wait()``. Megatron-FSDP
-      issues a forward's gathers back to back, so as middle steps each would block the issue of the next until
-      its differences arrived, and the whole refresh would be paid before the forward's first layer; at
-      ``wait()`` each bucket's differences have had the layers before it to arrive, like zeropp's gathers.
-      One bucket ahead: the wait of a call runs the refreshes queued up to its own and then the next call's
-      (:func:`_refresh_through_and_one_ahead`), so the next bucket's intra-node gather is in flight while this
-      bucket computes instead of starting at its own wait, where it waited for the node's slowest rank to
-      reach the same point.
+    Why both hops at the call: Megatron-FSDP issues a forward's bucket gathers back to back and waits each right
+    before its layer. Gathering the *refreshed* copy inside the node needs the differences first, so that hop
+    started either at a later call (a middle step, which on gloo blocked the host at each issue until the previous
+    bucket's differences arrived) or at the wait (a rendezvous of the node's ranks right before each layer, which
+    measured 90-130 ms per iteration on the emulated cluster against zeropp's 10-40). Decoding every shard instead
+    of the node's share costs ``hpz_size`` times the decode of the difference rows, as much as qwZ's decode of
+    the whole bucket at each gather.
     """
     what = "hpz_weight_difference_all_gather"
     size, shard = _check_difference_gather(output, input, held, topology, what)
@@ -411,9 +388,9 @@ def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, 
         raise ValueError(f"{what}: codec {fmt.spec!r} is not a blockwise quantizer; valid: int4, int8")
     agree(topology, what, codec=fmt.spec, dtype=str(input.dtype), hpz=topology.hpz_size)
     if hpz_shard.refreshing is not None:
-        # An exchange dispatched earlier has not updated the copy and ``held`` yet (its update runs at the next
-        # progress point, or at its wait() with refresh_at_wait): finish it first, or this call would send the
-        # same difference again and apply it twice. The same on every rank, as both calls are.
+        # An exchange dispatched earlier has not updated the copy and ``held`` yet (that runs at its wait()):
+        # finish it first, or this call would send the same difference again and apply it twice. The same on
+        # every rank, as both calls are.
         pending, hpz_shard.refreshing = hpz_shard.refreshing, None
         pending.wait()
     if not held.valid:
@@ -428,7 +405,7 @@ def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, 
     flat, hpz = topology._groups.flat, topology._groups.hpz
     rb = layout.row_bytes(shard, fmt.bits, fmt.block)
     part = hpz_shard.payload.view(-1)
-    # One call: the difference rows' all-gather and the intra-node gather of the refreshed copy.
+    # One call: the difference rows' all-gather and the intra-node gather of the (stale) copy.
     intra, inter = flat.split_ring((size - 1) * rb)
     hpz_intra, hpz_inter = hpz.split_ring((hpz.size - 1) * part.numel())
     raw = flat.split_ring((size - 1) * shard * input.element_size())
@@ -444,37 +421,30 @@ def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, 
     generation = hpz_shard.generation
     gather_out = output.view(-1).view(torch.uint8)
     secondary = hpz_shard.payload.view(-1).view(input.dtype).view(rows, shard)
-    if refresh_at_wait is None:
-        refresh_at_wait = backend_name(flat.group, input.device) != "nccl"
 
     def first():
         gathered, work = _send_difference(input, held, fmt, scratch, flat, size, rb, me, tag)
-        hop2: list = []
+        # after the difference is taken: ``input`` may be the owner's slice of ``output``
+        stale = hpz.all_gather(gather_out, part)
 
-        def refresh() -> None:
+        def finish() -> None:
+            wait(stale)
             wait(work)
-            packed = gathered.view(size, rb)
-            # decoded + fp32(held row), one rounding: the same operation on every node
-            codec_ops.dequantize_add_rows_(packed[first_row:first_row + rows], secondary, fmt.bits, fmt.block,
+            # decoded + fp32(held row), one rounding, every row: the same operation on the same bits on every rank
+            codec_ops.dequantize_add_rows_(gathered.view(size, rb), output.view(-1), fmt.bits, fmt.block,
                                            fmt.hadamard)
-            # the owner's own shard, the same way: = the holders' row of it, bit for bit
-            codec_ops.dequantize_add_rows_(packed[me:me + 1], held.value, fmt.bits, fmt.block, fmt.hadamard)
+            rows_out = output.view(size, shard)
+            with comm_timers().codec():
+                secondary.copy_(rows_out[first_row:first_row + rows])
+                held.value.copy_(rows_out[me])
             hpz_shard.refreshing = None
             # fresh, unless the weights changed again since the dispatch (then the next gather exchanges anew)
             hpz_shard.valid = hpz_shard.generation == generation
-            hop2.append(hpz.all_gather(gather_out, part))
-
-        def finish() -> None:
-            if refresh_at_wait:
-                _refresh_through_and_one_ahead(groups.refreshes, refresh)
-            wait(hop2[0])
             scratch.release()
-        if refresh_at_wait:
-            groups.refreshes.append(refresh)
-        return ([] if refresh_at_wait else [refresh]), finish
+        return [], finish
 
     handle = launch(groups.in_flight, stream, (input, output, held.value, hpz_shard.payload), first, True)
-    # The copy and ``held`` are updated later, by ``handle`` (its middle step or its wait), in both placements.
+    # The copy and ``held`` are updated at ``handle``'s wait.
     hpz_shard.refreshing = handle
     if async_op:
         return handle

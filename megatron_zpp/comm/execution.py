@@ -26,9 +26,9 @@ the last hop, decode into the output). One path for every backend:
   step to the next call also keeps a "wait for hop 1" out of the stream queues until hop 1 has had
   the time between two calls to finish (with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` a pending stream
   wait can hold back other streams' kernels). That deferral assumes compute between two calls, as in
-  a backward's reductions. Megatron-FSDP issues a forward's gathers back to back, so on a backend whose
-  waits block the host (any but NCCL) a chained gather there (qWD's hpZ refresh,
-  ``hpz_weight_difference_all_gather``) runs its second half at ``wait()`` instead.
+  a backward's reductions. Megatron-FSDP issues a forward's gathers back to back, so a gather there
+  has no middle step: qWD's on the hpZ copy (``hpz_weight_difference_all_gather``) issues both of its
+  hops at the call and combines them at ``wait()``.
 
 One stream, one trade-off (not yet measured on a GPU): an older call's middle step issued at a new
 call's progress point is queued on the comm stream after that call's wait for the caller's stream, so

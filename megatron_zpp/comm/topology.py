@@ -44,7 +44,6 @@ The caller's own ``group`` is never reused (see :class:`_TopologyGroups`).
 from __future__ import annotations
 
 import os
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -125,8 +124,6 @@ class _TopologyGroups:
     buffers: BufferPool = field(default_factory=topology_pool, repr=False)
     codecs: dict = field(default_factory=dict, repr=False)  # spec -> WireFormat
     agreed: set = field(default_factory=set, repr=False)  # settings checked across ranks
-    # qWD hpZ refreshes placed at wait(), not run yet, in issue order (all_gather.py's look-ahead).
-    refreshes: deque = field(default_factory=deque, repr=False)
 
 
 _GROUP_CACHE: dict[tuple, _TopologyGroups] = {}  # (members, ranks_per_node, hpz size) -> groups

@@ -15,9 +15,9 @@ uncompressed. Part of :class:`~megatron_zpp.megatron.hooks.MegatronHooks` (a mix
 qWD (``dp_param_difference``) here: every gather, forward and backward, is an intra-node gather of the hpZ
 copy, held in the weights' dtype; after each weight install (invalidated) the first gather of a bucket
 exchanges each shard's 4-bit difference across nodes to the ranks holding its copy
-(``hpz_weight_difference_all_gather``; on gloo its decode and intra-node gather run at the bucket's wait, as
-Megatron-FSDP issues a forward's gathers back to back); the first gather ever, after a load or a resync, is full
-precision.
+(``hpz_weight_difference_all_gather``: that exchange and the intra-node gather of the stale copy are both
+issued at the call, as Megatron-FSDP issues a forward's gathers back to back, and combined at the bucket's wait);
+the first gather ever, after a load or a resync, is full precision.
 
 A group with one member per node (an MoE expert-data-parallel group once EP fills the node) has no hpZ copy
 (``hpz_partitioned``): hpZ over one rank would hold every shard. Its buckets gather with qwZ, forward and
