@@ -170,16 +170,12 @@ def all_gather(cluster: ClusterSpec, group: Group, shard_numel: int, spec: str, 
     return cost
 
 
-def hpz_difference_gather(cluster: ClusterSpec, group: Group, hpz: int, shard_numel: int, spec: str,
-                          dtype_bytes: int) -> Cost:
+def hpz_difference_gather(cluster: ClusterSpec, group: Group, shard_numel: int, spec: str, dtype_bytes: int) -> Cost:
     """qWD on Megatron-FSDP's hpZ copy, once per weight update (``hpz_weight_difference_all_gather``): the ring
-    all-gather of every shard's encoded difference over the whole group; each rank encodes its own and decodes
-    only the ``size / hpz`` shards it holds and its own, not every row."""
-    cost = all_gather(cluster, group, shard_numel, spec, dtype_bytes)
-    decoded = min(group.size, group.size // hpz + 1)
-    raw = shard_numel * dtype_bytes
-    cost.codec_s = _codec_time(cluster, spec, raw, decoded * raw)
-    return cost
+    all-gather of every shard's encoded difference over the whole group; each rank encodes its own and adds every
+    decoded row to the node's gather of the stale copy (that gather is the bucket's ``hpz_gather``), as
+    :func:`all_gather`'s codec time counts."""
+    return all_gather(cluster, group, shard_numel, spec, dtype_bytes)
 
 
 def hpz_gather(cluster: ClusterSpec, group: Group, hpz: int, shard_numel: int, spec: str, dtype_bytes: int) -> Cost:

@@ -453,8 +453,7 @@ def _predict(cluster: ClusterSpec, workload: WorkloadSpec, mp: ModelledPolicy) -
         difference, in the dp.param codec, all-gathered over the whole group."""
         if not qwd_on_hpz(group):
             return Cost()
-        return C.hpz_difference_gather(cluster, group, pol.hpz_partition(group.node_size), shard(numel, group),
-                                       param_spec, lay.param_bytes)
+        return C.hpz_difference_gather(cluster, group, shard(numel, group), param_spec, lay.param_bytes)
 
     def job_bytes(costs: list[Cost]) -> TagBytes:
         """Bytes of the whole job: each bucket's group's bytes times the groups of its kind."""
