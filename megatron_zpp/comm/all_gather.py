@@ -371,8 +371,9 @@ def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, 
     Why both hops at the call: Megatron-FSDP issues a forward's bucket gathers back to back and waits each right
     before its layer. Gathering the *refreshed* copy inside the node needs the differences first, so that hop
     started either at a later call (a middle step, which on gloo blocked the host at each issue until the previous
-    bucket's differences arrived) or at the wait (a rendezvous of the node's ranks right before each layer, which
-    measured 90-130 ms per iteration on the emulated cluster against zeropp's 10-40). Decoding every shard instead
+    bucket's differences arrived) or at the wait (a rendezvous of the node's ranks right before each layer: the
+    forward waited 138-144 ms per iteration on the emulated cluster at 100 Mbit/s and unshaped, zeropp's 35-48, and
+    30-46 since; docs/bench/2026-11-28-fsdp-both-hops). Decoding every shard instead
     of the node's share costs ``hpz_size`` times the decode of the difference rows, as much as qwZ's decode of
     the whole bucket at each gather.
     """
