@@ -837,54 +837,112 @@ def hpz_weight_difference_worker(dtype_name: str, codec: str, shard: int, steps:
 
 def _hpz_difference_buckets(topo: Topology, dtype: torch.dtype, codec: str, shard: int, buckets: int = 3,
                             steps: int = 3) -> dict:
-    """Megatron-FSDP's forward: every bucket's gather issued back to back, then each waited in order. After the
-    issues, the middle steps left queued and the intra-node gathers issued; per wait, which buckets' copies are refreshed already (``valid``); per
-    bucket and update, whether every rank got the same bits and its worst error relative to the bound."""
+    """Megatron-FSDP's forward: every bucket's gather issued back to back, then each waited in order; bucket 1's
+    input is the owner's slice of its output (Megatron's distributed optimizer layout). After the issues: the
+    middle steps left queued and the intra-node gathers issued. Per wait: which buckets' copies are refreshed
+    (``valid``). Per bucket and update: whether every rank got the same bits, whether they are exactly
+    ``cast(fp32(held row) + decoded difference)`` by the pure-PyTorch reference codec, and the worst error
+    relative to the bound. Then two orderings around a pending gather: weights changed again between a stale
+    gather's call and its wait, and a stale gather issued while a full-precision resync is still pending."""
     from megatron_zpp.comm import hpz_weight_difference_all_gather
+    from megatron_zpp.compression import reference
 
     size, rank = topo.size, topo.rank
     bits, block, per_scale = codec_params(codec)
+    assert "hadamard" not in codec
     qmax = layout.qmax_for_bits(bits)
+    rb = layout.row_bytes(shard, bits, block)
     gens = [gen(57, r) for r in range(size)]
     exact = [[heavy_tailed(shard, gens[r]).float() * 0.05 for r in range(size)] for _ in range(buckets)]
     secondary = [HpzShard(topo, shard, dtype, "none") for _ in range(buckets)]
     held = [HeldShard(shard, dtype) for _ in range(buckets)]
-    holds = [None] * buckets
-    refreshed, queued, node_gathers, identical, worst = [], [], [], [], 0.0
+    holds = [None] * buckets  # what the replicas held of each bucket after the last gather (weights' dtype)
     word = torch.int16 if dtype != torch.float32 else torch.int32
+    out = {"refreshed": [], "queued": [], "node_gathers": [], "identical": [], "exact": [], "worst": 0.0}
+
+    def update(b: int) -> None:
+        for r in range(size):
+            exact[b][r] += 1e-3 * torch.randn(shard, generator=gens[r])
+        secondary[b].invalidate()
+
+    def gather(b: int, output: torch.Tensor):
+        if b == 1:  # the owner's slice of the output is the input
+            output.view(size, shard)[rank].copy_(exact[b][rank].to(dtype))
+            mine = output.view(size, shard)[rank]
+        else:
+            mine = exact[b][rank].to(dtype)
+        return hpz_weight_difference_all_gather(output, mine, secondary[b], held[b], topo, codec=codec, async_op=True)
+
+    def check(b: int, output: torch.Tensor, base: torch.Tensor | None) -> None:
+        everyone = [torch.empty_like(output) for _ in range(size)]
+        dist.all_gather(everyone, output)
+        out["identical"].append(all(torch.equal(e.view(word), output.view(word)) for e in everyone))
+        if base is None:
+            return
+        targets = torch.stack([e.to(dtype) for e in exact[b]])
+        expected = base.clone()
+        packed = torch.empty(size, rb, dtype=torch.uint8)
+        reference.quantize_rows_(targets.float() - base.float(), packed, bits, block)
+        reference.dequantize_add_rows_(packed, expected.view(-1), bits, block)
+        out["exact"].append(torch.equal(expected.view(word), output.view(size, shard).view(word)))
+        got, targets = output.view(size, shard).float(), targets.float()
+        step_bound = block_absmax(targets - base.float(), shard, block) / qmax * per_scale
+        bound = step_bound + torch.maximum(got.abs(), targets.abs()) * OUT_EPS[dtype] + step_bound * FP32_SLOP + 1e-30
+        out["worst"] = max(out["worst"], float(((got - targets).abs() / bound).max()))
+
     hpz = topo._groups.hpz
     issued = []  # the intra-node gathers issued so far (the stale copies' hop)
-    hpz.all_gather = lambda out, inp, _gather=type(hpz).all_gather: issued.append(1) or _gather(hpz, out, inp)
-    for step in range(steps):
-        if step:
-            for b in range(buckets):
-                for r in range(size):
-                    exact[b][r] += 1e-3 * torch.randn(shard, generator=gens[r])
-                secondary[b].invalidate()
-        outputs = [torch.full((size * shard,), float("nan"), dtype=dtype) for _ in range(buckets)]
-        handles = [hpz_weight_difference_all_gather(outputs[b], exact[b][rank].to(dtype), secondary[b], held[b], topo,
-                                                    codec=codec, async_op=True)
-                   for b in range(buckets)]
-        if step:
-            queued.append(len(topo._groups.in_flight))
-            node_gathers.append(len(issued))
+    hpz.all_gather = lambda o, i, _gather=type(hpz).all_gather: issued.append(1) or _gather(hpz, o, i)
+    try:
+        for step in range(steps):
+            if step:
+                for b in range(buckets):
+                    update(b)
+            outputs = [torch.full((size * shard,), float("nan"), dtype=dtype) for _ in range(buckets)]
+            handles = [gather(b, outputs[b]) for b in range(buckets)]
+            if step:
+                out["queued"].append(len(topo._groups.in_flight))
+                out["node_gathers"].append(len(issued))
             issued.clear()
-        for b in range(buckets):
-            handles[b].wait()
-            if step:
-                refreshed.append([s.valid for s in secondary])
-        for b in range(buckets):
-            everyone = [torch.empty_like(outputs[b]) for _ in range(size)]
-            dist.all_gather(everyone, outputs[b])
-            identical.append(all(torch.equal(e.view(word), outputs[b].view(word)) for e in everyone))
-            if step:
-                targets = torch.stack([e.to(dtype) for e in exact[b]]).float()
-                got = outputs[b].view(size, shard).float()
-                step_bound = block_absmax(targets - holds[b], shard, block) / qmax * per_scale
-                bound = (step_bound + torch.maximum(got.abs(), targets.abs()) * OUT_EPS[dtype]
-                         + step_bound * FP32_SLOP + 1e-30)
-                worst = max(worst, float(((got - targets).abs() / bound).max()))
-        holds = [o.view(size, shard).float() for o in outputs]
-    del hpz.all_gather
-    return {"refreshed": refreshed, "queued": queued, "node_gathers": node_gathers, "identical": identical,
-            "worst": worst}
+            for b in range(buckets):
+                handles[b].wait()
+                if step:
+                    out["refreshed"].append([s.valid for s in secondary])
+            for b in range(buckets):
+                check(b, outputs[b], holds[b] if step else None)
+            holds = [o.view(size, shard).clone() for o in outputs]
+    finally:
+        del hpz.all_gather
+    # The weights change again between a stale gather's call and its wait: the copy stays stale (the next gather
+    # exchanges anew), and both gathers give what the replicas hold.
+    update(0)
+    output = torch.full((size * shard,), float("nan"), dtype=dtype)
+    handle = gather(0, output)
+    secondary[0].invalidate()
+    handle.wait()
+    out["stale_after_change"] = not secondary[0].valid
+    check(0, output, holds[0])
+    again = torch.full((size * shard,), float("nan"), dtype=dtype)
+    gather(0, again).wait()
+    check(0, again, output.view(size, shard).clone())
+    # A stale gather issued while a full-precision resync of the same bucket is pending: it gathers the resynced
+    # copy (the exact weights), not the one before.
+    held[2].invalidate()
+    update(2)
+    resynced = torch.full((size * shard,), float("nan"), dtype=dtype)
+    pending = gather(2, resynced)
+    update(2)
+    after = torch.full((size * shard,), float("nan"), dtype=dtype)
+    handle = gather(2, after)
+    pending.wait()
+    handle.wait()
+    check(2, after, resynced.view(size, shard).clone())
+    # The same change during a full-precision resync: its wait fills the copy, which stays stale.
+    held[0].invalidate()
+    update(0)
+    resynced = torch.full((size * shard,), float("nan"), dtype=dtype)
+    handle = gather(0, resynced)
+    secondary[0].invalidate()
+    handle.wait()
+    out["fill_stale_after_change"] = not secondary[0].valid
+    return out

@@ -267,9 +267,11 @@ def test_hpz_weight_difference_gather_for_zero3(nodes, per_node, hpz):
     dispatched before either is waited apply its difference once. Both hops are issued at the call: nothing is
     left for the next collective's start to issue (on gloo that would block the host while Megatron-FSDP issues
     a forward's gathers). Its first gather after an update is asynchronous at odd steps, synchronous at even
-    ones. Three buckets issued back to back and waited in order (Megatron-FSDP's forward): each gets the same
-    bits everywhere, every bucket's intra-node hop is in flight before the first wait, and a bucket's copy is
-    refreshed at its own wait, not before."""
+    ones. Three buckets issued back to back and waited in order (Megatron-FSDP's forward), one with its input in
+    its output: each gets the same bits everywhere, exactly the reference codec's held row plus decoded
+    difference; every bucket's intra-node hop is in flight before the first wait, and a bucket's copy is
+    refreshed at its own wait, not before. A change of the weights between a gather's call and its wait leaves
+    the copy stale; a gather issued while a resync is pending starts from the resynced copy."""
     shard, steps, resync_at = 3001, 6, 4
     world = nodes * per_node
     results = run_distributed(checks.hpz_weight_difference_worker, world, "bfloat16", "int4:block=2048", shard,
@@ -287,7 +289,9 @@ def test_hpz_weight_difference_gather_for_zero3(nodes, per_node, hpz):
         assert r["overlapped"]["worst"] <= 1.0, r["overlapped"]  # applied once: twice is ~2 steps off
         b = r["buckets"]
         assert all(b["identical"]) and b["worst"] <= 1.0 and b["queued"] == [0, 0], b
+        assert all(b["exact"]) and len(b["exact"]) == 3 * 2 + 3, b["exact"]  # the reference's bits, every check
         assert b["node_gathers"] == [3, 3], b  # every bucket's intra-node hop in flight before the first wait
+        assert b["stale_after_change"] and b["fill_stale_after_change"], b
         assert b["refreshed"] == [[True, False, False], [True, True, False], [True, True, True]] * 2, b["refreshed"]
     r = results[0]
     first = [g["inter"] for g in r["gathers"] if g["use"] == 0 and not g["resync"]]

@@ -330,14 +330,15 @@ def test_weight_differences_halve_zeropp_parameter_bytes(monkeypatch):
     # ... and gathers the held copy in the weights' dtype, where zeropp's hpZ copy holds INT8/256 rows
     row_ratio = fsdp.layout.param_bytes / (1 + 4 / 256)
     assert qwd_f.bytes["dp.param.bwd"].intra / zpp_f.bytes["dp.param.bwd"].intra == pytest.approx(row_ratio, rel=0.01)
-    # Time: the difference gather is charged once per update, not per micro-batch. Made to cost T seconds, it adds
-    # at least T to the step, and twice the micro-batches add nothing more of it (per micro-batch: 2T more).
+    # Time: the difference gather is charged once per update, not per micro-batch. Made to cost T seconds (in flight
+    # with the node's gather, which takes milliseconds), it adds about T to the step, and twice the micro-batches
+    # add nothing more of it (per micro-batch: 2T more).
     T = 100.0
     twice = dataclasses.replace(fsdp, layout=dataclasses.replace(fsdp.layout, global_batch=2 * fsdp.layout.global_batch))
     base = [predict(cluster, w, "sdp4bit").step_time_s for w in (fsdp, twice)]
     monkeypatch.setattr(C, "hpz_difference_gather", lambda *a, **k: C.Cost(wire_s=T))
     costly = [predict(cluster, w, "sdp4bit").step_time_s for w in (fsdp, twice)]
-    assert costly[0] - base[0] >= T
+    assert costly[0] - base[0] >= 0.99 * T
     assert abs((costly[1] - base[1]) - (costly[0] - base[0])) < 1e-6 * T
     monkeypatch.undo()
     # A data-parallel group with one member per node holds no hpZ copy: refused, as the hooks refuse it. An hpZ

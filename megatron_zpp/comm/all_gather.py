@@ -80,10 +80,12 @@ class HpzShard:
     def nbytes(self) -> int:
         return self.payload.numel()
 
-    def _fill_from(self, gathered_rows: torch.Tensor) -> None:
+    def _fill_from(self, gathered_rows: torch.Tensor, generation: int) -> None:
+        """Keep this rank's rows of a gather dispatched at ``generation``: fresh only if the weights have not
+        changed since (an ``invalidate()`` between the gather's call and its wait leaves the copy stale)."""
         first = self.topology.hpz_index * self.rows
         self.payload.copy_(gathered_rows[first:first + self.rows])
-        self.valid = True
+        self.valid = self.generation == generation
 
 
 def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, topology: Topology,
@@ -143,6 +145,7 @@ def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, topology: To
     groups = topology._groups
     stream = comm_stream(input.device, "gather", groups.streams)
     scratch = groups.buffers.lease(input.device)
+    generation = hpz_shard.generation if hpz_shard is not None else 0
 
     def first():
         if not fmt.compressed:
@@ -151,7 +154,7 @@ def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, topology: To
             def finish() -> None:
                 wait(work)
                 if hpz_shard is not None:
-                    hpz_shard._fill_from(output.view(-1).view(torch.uint8).view(size, rb))
+                    hpz_shard._fill_from(output.view(-1).view(torch.uint8).view(size, rb), generation)
             return [], finish
         payload = scratch.take(rb)
         gathered = scratch.take(size * rb)
@@ -164,7 +167,7 @@ def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, topology: To
             rows = gathered.view(size, rb)
             codec_ops.dequantize_rows_(rows, output.view(-1), fmt.bits, fmt.block, fmt.hadamard)
             if hpz_shard is not None:
-                hpz_shard._fill_from(rows)
+                hpz_shard._fill_from(rows, generation)
             scratch.release()
         return [], finish
 
@@ -366,7 +369,9 @@ def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, 
 
     Every replica thus computes with bit-identical weights (the same operation on the same bits everywhere: the
     secondary copies are identical across nodes), and the quantization error is not lost: the next difference is
-    taken against what the replicas hold. ``input``'s padding must be zero (or finite).
+    taken against what the replicas hold. ``input``'s padding must be zero (or finite). As for any asynchronous
+    gather, neither ``input`` nor ``output`` may be written before ``wait()``: the copy and ``held`` are taken
+    from ``output`` there.
 
     Why both hops at the call: Megatron-FSDP issues a forward's bucket gathers back to back and waits each right
     before its layer. Gathering the *refreshed* copy inside the node needs the differences first, so that hop
@@ -395,11 +400,17 @@ def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, 
         pending, hpz_shard.refreshing = hpz_shard.refreshing, None
         pending.wait()
     if not held.valid:
-        handle = quantized_all_gather(output, input, topology, codec="none", async_op=async_op, tag=tag,
+        handle = quantized_all_gather(output, input, topology, codec="none", async_op=True, tag=tag,
                                       hpz_shard=hpz_shard)
         held.value.copy_(input)
         held.valid = True
-        return handle
+        # Its wait fills the copy: a stale gather issued before it (an update in between) must gather the filled
+        # copy, not the one before the resync, so the guard above waits for it too.
+        hpz_shard.refreshing = handle
+        if async_op:
+            return handle
+        handle.wait()
+        return None
     if hpz_shard.valid:
         return hpz_all_gather(output, hpz_shard, topology, async_op=async_op, tag=tag)
 

@@ -79,6 +79,12 @@ class Cost:
         return Cost(self.wire_s + other.wire_s, self.codec_s + other.codec_s,
                     self.intra_bytes + other.intra_bytes, self.inter_bytes + other.inter_bytes)
 
+    def alongside(self, other: Cost) -> Cost:
+        """Both collectives in flight at once (issued together, waited together): the longer wire time, both
+        codecs' kernels."""
+        return Cost(max(self.wire_s, other.wire_s), self.codec_s + other.codec_s,
+                    self.intra_bytes + other.intra_bytes, self.inter_bytes + other.inter_bytes)
+
     def scaled(self, k: float) -> Cost:
         """Times ``k`` identical calls."""
         return Cost(self.wire_s * k, self.codec_s * k, round(self.intra_bytes * k), round(self.inter_bytes * k))
@@ -173,8 +179,8 @@ def all_gather(cluster: ClusterSpec, group: Group, shard_numel: int, spec: str, 
 def hpz_difference_gather(cluster: ClusterSpec, group: Group, shard_numel: int, spec: str, dtype_bytes: int) -> Cost:
     """qWD on Megatron-FSDP's hpZ copy, once per weight update (``hpz_weight_difference_all_gather``): the ring
     all-gather of every shard's encoded difference over the whole group; each rank encodes its own and adds every
-    decoded row to the node's gather of the stale copy (that gather is the bucket's ``hpz_gather``), as
-    :func:`all_gather`'s codec time counts."""
+    decoded row to the node's gather of the stale copy (that gather is the bucket's ``hpz_gather``, in flight at
+    the same time: :meth:`Cost.alongside`), as :func:`all_gather`'s codec time counts."""
     return all_gather(cluster, group, shard_numel, spec, dtype_bytes)
 
 

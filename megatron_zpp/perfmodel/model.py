@@ -469,7 +469,7 @@ def _predict(cluster: ClusterSpec, workload: WorkloadSpec, mp: ModelledPolicy) -
         ag = [param_cost(n, grp, False) for n, grp in buckets]
         agb = [param_cost(n, grp, True) for n, grp in buckets]
         diff = [difference_cost(n, grp) for n, grp in buckets]  # qWD: once per update, in the first forward
-        first = [a + d for a, d in zip(ag, diff)]
+        first = [a.alongside(d) for a, d in zip(ag, diff)]  # both hops issued at the gather's call
         dp_job.update({"dp.param": job_bytes([a.scaled(m) + d for a, d in zip(ag, diff)]),
                        "dp.param.bwd": job_bytes(agb).scaled(m), "dp.grad": job_bytes(rs).scaled(m)})
         opg = lay.overlap_param_gather
