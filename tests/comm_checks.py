@@ -270,7 +270,8 @@ def bytes_worker(shard: int) -> dict:
 
 def hpz_worker() -> dict:
     """hpZ for partition sizes 1..node_size and codecs int8 / none: the backward gather equals the
-    forward one bit for bit, crosses no node, and refuses to run on an invalidated copy."""
+    forward one bit for bit, crosses no node, and refuses to run on an invalidated copy; a copy invalidated
+    between its filling gather's call and wait stays stale."""
     results = {}
     base = Topology(None)
     for k in [d for d in range(1, base.node_size + 1) if base.node_size % d == 0]:
@@ -291,9 +292,13 @@ def hpz_worker() -> dict:
                     refused = False
                 except RuntimeError:
                     refused = True
+                # a weight install between a filling gather's call and its wait: the rows are the old weights'
+                handle = quantized_all_gather(fwd, x, topo, codec=codec, hpz_shard=shard, async_op=True)
+                shard.invalidate()
+                handle.wait()
                 results[(k, codec, length)] = {"equal": bool(torch.equal(fwd, bwd)), "inter": s.inter_bytes,
                                                "intra": s.intra_bytes, "refused_stale": refused,
-                                               "shard_bytes": shard.nbytes}
+                                               "stale_after_change": not shard.valid, "shard_bytes": shard.nbytes}
     return results
 
 
@@ -888,7 +893,8 @@ def _hpz_difference_buckets(topo: Topology, dtype: torch.dtype, codec: str, shar
         got, targets = output.view(size, shard).float(), targets.float()
         step_bound = block_absmax(targets - base.float(), shard, block) / qmax * per_scale
         bound = step_bound + torch.maximum(got.abs(), targets.abs()) * OUT_EPS[dtype] + step_bound * FP32_SLOP + 1e-30
-        out["worst"] = max(out["worst"], float(((got - targets).abs() / bound).max()))
+        worst = float(((got - targets).abs() / bound).max())
+        out["worst"] = max(out["worst"], worst if worst == worst else float("inf"))  # a NaN fails the check
 
     hpz = topo._groups.hpz
     issued = []  # the intra-node gathers issued so far (the stale copies' hop)
@@ -913,8 +919,8 @@ def _hpz_difference_buckets(topo: Topology, dtype: torch.dtype, codec: str, shar
             holds = [o.view(size, shard).clone() for o in outputs]
     finally:
         del hpz.all_gather
-    # The weights change again between a stale gather's call and its wait: the copy stays stale (the next gather
-    # exchanges anew), and both gathers give what the replicas hold.
+    # The copy is invalidated again (a weight install) between a stale gather's call and its wait: it stays stale
+    # (the next gather exchanges anew), and both gathers give what the replicas hold.
     update(0)
     output = torch.full((size * shard,), float("nan"), dtype=dtype)
     handle = gather(0, output)

@@ -100,7 +100,7 @@ def test_hpz_partition_sizes():
         for (k, codec, length), found in r.items():
             assert found["equal"], (k, codec, length)
             assert found["inter"] == 0, (k, codec, length)
-            assert found["refused_stale"], (k, codec, length)
+            assert found["refused_stale"] and found["stale_after_change"], (k, codec, length)
             assert (found["intra"] > 0) == (k > 1), (k, codec, length, found)
     # The secondary copy is 1/k of the gathered rows: INT8 rows are about half of bf16 ones.
     r0 = results[0]

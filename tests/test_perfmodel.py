@@ -340,6 +340,11 @@ def test_weight_differences_halve_zeropp_parameter_bytes(monkeypatch):
     costly = [predict(cluster, w, "sdp4bit").step_time_s for w in (fsdp, twice)]
     assert costly[0] - base[0] >= 0.99 * T
     assert abs((costly[1] - base[1]) - (costly[0] - base[0])) < 1e-6 * T
+    # ... in flight with the node's gather of the stale copy: as long as that gather, it adds nothing to it
+    monkeypatch.setattr(C, "hpz_gather", lambda *a, **k: C.Cost(wire_s=T))
+    node_only = predict(cluster, fsdp, "sdp4bit").step_time_s
+    monkeypatch.setattr(C, "hpz_difference_gather", lambda *a, **k: C.Cost(wire_s=T))
+    assert predict(cluster, fsdp, "sdp4bit").step_time_s - node_only < 1e-6 * T
     monkeypatch.undo()
     # A data-parallel group with one member per node holds no hpZ copy: refused, as the hooks refuse it. An hpZ
     # partition of 1 on nodes of two (hpz_size 3) gathers with zeropp's INT8 weights, as fsdp.py does.

@@ -374,8 +374,11 @@ def _ranks_wait_forever(pid_dir: str):
 def test_divergence_guard_reloads_the_last_checkpoint_once(tmp_path):
     summary_json = tmp_path / "summary.json"
     ckpt = tmp_path / "ckpt"
+    # Both overlap flags: the step has prefetched the next forward's gathers when the reload comes.
     ranks, codes = _train(tmp_path / "run", GUARD + ["--zpp-divergence-reload", "--save", str(ckpt), "--save-interval",
-                                                     "4", "--summary-json", str(summary_json)], fault="spike:6")
+                                                     "4", "--summary-json", str(summary_json),
+                                                     "--overlap-grad-reduce", "--overlap-param-gather"],
+                          fault="spike:6")
     assert codes == [0] * WORLD, [ranks.text(r)[-2000:] for r in range(WORLD)]
     for r in range(WORLD):
         lines = [line for line in ranks.text(r).splitlines() if line.startswith("[divergence guard]")]

@@ -15,8 +15,9 @@ from the forward gather, not decoded weights: the backward gather then decodes t
 very bytes the forward decoded (forward and backward see bit-identical weights) and
 the copy costs ``~numel * bits / 8 / hpz_size`` bytes instead of ``numel * 2 / hpz_size``.
 It is filled as a by-product of the forward gather (no extra communication, no host
-synchronization) and refuses to serve a gather after ``invalidate()`` until refilled,
-so a stale copy (DeepSpeed issues #5059, #7606) is an error, not silent wrong weights.
+synchronization; fresh only if not invalidated between that gather's call and its wait) and
+refuses to serve a gather after ``invalidate()`` until refilled, so a stale copy (DeepSpeed
+issues #5059, #7606) is an error, not silent wrong weights.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class HpzShard:
         self.payload = torch.empty(self.rows, self.row_bytes, dtype=torch.uint8, device=device)
         self.valid = False
         self.generation = 0  # invalidations so far: a refresh dispatched before one must not mark the copy fresh
-        self.refreshing = None  # qWD: the handle of a difference exchange whose update has not run yet
+        self.refreshing = None  # qWD: the handle of the last gather that updates the copy at its wait (an exchange
+        # or a resync; possibly waited already): a later call on the copy waits for it first
 
     def invalidate(self) -> None:
         """Mark the copy stale (call after every change of the weights: optimizer step, checkpoint load)."""
@@ -360,7 +362,8 @@ def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, 
     rank's hpZ index ``j`` (``R = size / hpz_size``); each node holds them all across its hpZ group. Three cases:
 
     * ``held`` not valid (the first gather, after a checkpoint load or a resync): a full-precision all-gather,
-      which fills the secondary copy; ``held`` becomes this rank's shard.
+      which fills the secondary copy at its wait (fresh unless ``invalidate()`` ran since the call); ``held``
+      becomes this rank's shard.
     * ``hpz_shard`` valid (gathered since the weights last changed): :func:`hpz_all_gather`, inside the node.
     * ``hpz_shard`` stale (``invalidate()`` after an optimizer step): two collectives, both issued at the call:
       every rank's quantized ``input - held`` all-gathered across all ranks (with ``codec``), and the stale copy

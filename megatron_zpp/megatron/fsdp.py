@@ -8,8 +8,8 @@ copies after every weight install).
 
 Invariants: the alignment padding a quantizer sees is zero (Megatron-FSDP never writes it, and garbage there
 would set a block's scale); every DP replica decodes the same bytes, and a backward gather decodes the very
-rows the forward gathered (hpZ keeps packed rows), never a stale copy (invalidated at every weight change, a
-gather from one raises); configurations whose reduction would bypass the routing are refused, not run
+rows the forward gathered (hpZ keeps packed rows), never a stale copy (invalidated at every weight change; a
+stale copy is refilled by a full gather, and ``hpz_all_gather`` refuses one); configurations whose reduction would bypass the routing are refused, not run
 uncompressed. Part of :class:`~megatron_zpp.megatron.hooks.MegatronHooks` (a mixin).
 
 qWD (``dp_param_difference``) here: every gather, forward and backward, is an intra-node gather of the hpZ

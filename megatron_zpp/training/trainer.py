@@ -457,6 +457,11 @@ def _reload_after_divergence(args, models, optimizer, scheduler, hooks, guard, l
             log(f"[divergence guard] no checkpoint reload ({why}); the fallback goes on")
         return None
     guard.reloaded.add(latest)
+    if args.overlap_param_gather:
+        # The step prefetched the next forward's gathers (of the diverged weights): finish them before the load
+        # writes those buffers, so that no gather is in flight across it and none is waited after it.
+        for m in models:
+            m.start_param_sync(force_sync=True)
     reload_args = copy.copy(args)
     reload_args.load = folder
     iteration = load_checkpoint(reload_args, models, optimizer, scheduler, hooks, log=log, agreement=agreement)
