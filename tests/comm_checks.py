@@ -919,36 +919,39 @@ def _hpz_difference_buckets(topo: Topology, dtype: torch.dtype, codec: str, shar
             holds = [o.view(size, shard).clone() for o in outputs]
     finally:
         del hpz.all_gather
-    # The copy is invalidated again (a weight install) between a stale gather's call and its wait: it stays stale
-    # (the next gather exchanges anew), and both gathers give what the replicas hold.
+    def blank() -> torch.Tensor:
+        return torch.full((size * shard,), float("nan"), dtype=dtype)
+
+    def invalidated_before_wait(b: int) -> tuple[torch.Tensor, bool]:
+        """Bucket ``b``'s gather with its copy invalidated (a weight install) between the call and the wait:
+        the output, and whether the copy was left stale."""
+        output = blank()
+        handle = gather(b, output)
+        secondary[b].invalidate()
+        handle.wait()
+        return output, not secondary[b].valid
+
+    # After a stale gather's call: the copy stays stale (the next gather exchanges anew), and both gathers give
+    # what the replicas hold.
     update(0)
-    output = torch.full((size * shard,), float("nan"), dtype=dtype)
-    handle = gather(0, output)
-    secondary[0].invalidate()
-    handle.wait()
-    out["stale_after_change"] = not secondary[0].valid
+    output, out["stale_after_change"] = invalidated_before_wait(0)
     check(0, output, holds[0])
-    again = torch.full((size * shard,), float("nan"), dtype=dtype)
+    again = blank()
     gather(0, again).wait()
     check(0, again, output.view(size, shard).clone())
     # A stale gather issued while a full-precision resync of the same bucket is pending: it gathers the resynced
     # copy (the exact weights), not the one before.
     held[2].invalidate()
     update(2)
-    resynced = torch.full((size * shard,), float("nan"), dtype=dtype)
+    resynced, after = blank(), blank()
     pending = gather(2, resynced)
     update(2)
-    after = torch.full((size * shard,), float("nan"), dtype=dtype)
     handle = gather(2, after)
     pending.wait()
     handle.wait()
     check(2, after, resynced.view(size, shard).clone())
-    # The same change during a full-precision resync: its wait fills the copy, which stays stale.
+    # After a full-precision resync's call: its wait fills the copy, which stays stale.
     held[0].invalidate()
     update(0)
-    resynced = torch.full((size * shard,), float("nan"), dtype=dtype)
-    handle = gather(0, resynced)
-    secondary[0].invalidate()
-    handle.wait()
-    out["fill_stale_after_change"] = not secondary[0].valid
+    _, out["fill_stale_after_change"] = invalidated_before_wait(0)
     return out
