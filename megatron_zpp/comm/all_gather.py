@@ -382,8 +382,8 @@ def hpz_weight_difference_all_gather(output: torch.Tensor, input: torch.Tensor, 
     bucket's differences arrived) or at the wait (a rendezvous of the node's ranks right before each layer: the
     forward waited 138-144 ms per iteration on the emulated cluster at 100 Mbit/s and unshaped, zeropp's 35-48, and
     30-46 since; docs/bench/2026-11-28-fsdp-both-hops). Decoding every shard instead
-    of the node's share costs ``hpz_size`` times the decode of the difference rows, as much as qwZ's decode of
-    the whole bucket at each gather.
+    of the node's share decodes ``size`` rows where it decoded ``size / hpz_size + 1``, as many as qwZ's decode
+    of the whole bucket at each gather.
     """
     what = "hpz_weight_difference_all_gather"
     size, shard = _check_difference_gather(output, input, held, topology, what)
