@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_zpp.compression import get_codec, layout
 from megatron_zpp.perfmodel.specs import ClusterSpec
@@ -82,8 +82,7 @@ class Cost:
     def alongside(self, other: Cost) -> Cost:
         """Both collectives in flight at once (issued together, waited together): the longer wire time, both
         codecs' kernels."""
-        return Cost(max(self.wire_s, other.wire_s), self.codec_s + other.codec_s,
-                    self.intra_bytes + other.intra_bytes, self.inter_bytes + other.inter_bytes)
+        return replace(self + other, wire_s=max(self.wire_s, other.wire_s))
 
     def scaled(self, k: float) -> Cost:
         """Times ``k`` identical calls."""
