@@ -136,3 +136,42 @@ def test_fsdp_strategies_that_bypass_the_routing_are_refused():
     # Megatron's own collectives under `none`: nothing to refuse.
     MegatronHooks(resolve_policy(ZppConfig(policy="none")))._check_fsdp_supported(
         SimpleNamespace(data_parallel_sharding_strategy="no_shard"))
+
+
+def test_a_weight_install_invalidates_only_its_own_buffers_hpz_copies():
+    """Megatron-FSDP installs each model chunk's buffer in turn (virtual pipeline stages, chained optimizers):
+    one chunk's install marks its own hpZ copies stale and leaves the other chunk's, which may be refreshed or
+    in flight already, as they are; a checkpoint load (no buffer) marks every copy stale."""
+    from types import SimpleNamespace
+
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as fsdp_buf
+
+    from megatron_zpp.megatron.hooks import MegatronHooks
+    from megatron_zpp.policy import ZppConfig, resolve_policy
+
+    class Copy:  # an HpzShard's freshness, as invalidate() changes it
+        valid = True
+
+        def invalidate(self):
+            self.valid = False
+
+    config = SimpleNamespace(data_parallel_sharding_strategy="optim_grads_params")
+    buffers = [SimpleNamespace(parameter_groups=[], ddp_config=config) for _ in range(2)]
+    pipelines = [SimpleNamespace(buffer=b) for b in buffers]
+    hooks = MegatronHooks(resolve_policy(ZppConfig(policy="sdp4bit"))).install()
+    try:
+        copies = {}
+        for chunk, pipeline in enumerate(pipelines):
+            for key in ((id(pipeline), 0), ("qwd", id(pipeline), 1)):  # a plain hpZ copy and a qWD one
+                copies[chunk, key[0]] = hooks._keep_hpz_shard(key, pipeline, Copy())
+        hooks._hpz_shards["unowned"] = unowned = Copy()  # kept without an owner: an install must not leave it fresh
+        fsdp_buf.ParamAndGradBuffer.copy_main_weights_to_model_weights(buffers[1])  # the hooked install
+        assert {k: c.valid for k, c in copies.items()} == {k: k[0] == 0 for k in copies}
+        assert not unowned.valid
+        # A later pipeline whose id() a key reuses does not inherit the copy (the key's owner is another buffer).
+        assert hooks._kept_hpz_shard((id(pipelines[0]), 0), pipelines[0]) is copies[0, id(pipelines[0])]
+        assert hooks._kept_hpz_shard((id(pipelines[0]), 0), SimpleNamespace(buffer=buffers[1])) is None
+        hooks.invalidate_secondary()
+        assert not any(c.valid for c in copies.values())
+    finally:
+        hooks.uninstall()

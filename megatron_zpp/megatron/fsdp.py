@@ -3,8 +3,8 @@
 Megatron-FSDP calls ``torch.distributed`` directly, so the routing wraps ``AllGatherPipeline.async_bucket_gather``
 (qwZ forward, hpZ backward from the secondary copy), ``AllGatherPipeline.wait_bucket_ready`` (decodes our
 pending gather first), ``GradReducePipeline._bucket_group_gradient_reduce`` (qgZ, through the gradient
-reduction of ``ddp.py``) and ``ParamAndGradBuffer.copy_main_weights_to_model_weights`` (invalidates the hpZ
-copies after every weight install).
+reduction of ``ddp.py``) and ``ParamAndGradBuffer.copy_main_weights_to_model_weights`` (invalidates that buffer's
+hpZ copies after every weight install).
 
 Invariants: the alignment padding a quantizer sees is zero (Megatron-FSDP never writes it, and garbage there
 would set a block's scale); every DP replica decodes the same bytes, and a backward gather decodes the very
@@ -55,10 +55,35 @@ class FsdpRouting:
         once EP fills the node) has none: its backward gathers are qwZ gathers again, and qWD falls back to them."""
         return topo.hpz_size > 1
 
-    def invalidate_secondary(self) -> None:
-        """Mark every hpZ secondary copy stale (the weights changed: optimizer step, checkpoint load)."""
-        for shard in self._hpz_shards.values():
-            shard.invalidate()
+    def invalidate_secondary(self, buffer=None) -> None:
+        """Mark the hpZ secondary copies stale (the weights changed): those of one Megatron-FSDP
+        ``ParamAndGradBuffer`` after its weight install, or with ``buffer=None`` every copy (a checkpoint load).
+
+        Per buffer because each model chunk (virtual pipeline stages, chained optimizers) installs its own
+        buffer: with ``--overlap-param-gather-with-optimizer-step`` one chunk's gathers may be in flight, or
+        its copies refreshed, while the next chunk installs, and a global invalidation would mark those
+        copies stale again (a repeated exchange or full gather, and under qWD a second, near-empty
+        difference exchange). A copy of no known buffer is invalidated too: stale is safe, fresh is not."""
+        for key, shard in self._hpz_shards.items():
+            if buffer is None or self._hpz_buffer_of.get(key, id(buffer)) == id(buffer):
+                shard.invalidate()
+
+    def _keep_hpz_shard(self, key: tuple, pipeline, shard: HpzShard) -> HpzShard:
+        """Register ``shard`` under ``key``, owned by ``pipeline``'s weight buffer (``invalidate_secondary``)."""
+        self._hpz_shards[key] = shard
+        self._hpz_buffer_of[key] = id(pipeline.buffer)
+        return shard
+
+    def _kept_hpz_shard(self, key: tuple, pipeline) -> HpzShard | None:
+        """The copy kept under ``key`` if ``pipeline``'s buffer owns it (not one of a pipeline since freed whose
+        ``id()`` the key reuses), else ``None``."""
+        if self._hpz_buffer_of.get(key) != id(pipeline.buffer):
+            return None
+        return self._hpz_shards.get(key)
+
+    def _drop_hpz_shard(self, key: tuple) -> None:
+        self._hpz_shards.pop(key, None)
+        self._hpz_buffer_of.pop(key, None)
 
     @property
     def hpz_bytes(self) -> int:
@@ -67,11 +92,11 @@ class FsdpRouting:
 
     def _hpz_shard(self, pipeline, bucket_id: int, shard_input, topo: Topology, codec: str) -> HpzShard:
         key = (id(pipeline), bucket_id)
-        shard = self._hpz_shards.get(key)
+        shard = self._kept_hpz_shard(key, pipeline)
         if shard is None or shard.shard_numel != shard_input.numel() or shard.dtype != shard_input.dtype \
                 or shard.format is not wire_format(topo, codec, "HpzShard"):  # the divergence guard switched codecs
-            shard = HpzShard(topo, shard_input.numel(), shard_input.dtype, codec, device=shard_input.device)
-            self._hpz_shards[key] = shard
+            shard = self._keep_hpz_shard(key, pipeline, HpzShard(topo, shard_input.numel(), shard_input.dtype,
+                                                                 codec, device=shard_input.device))
         return shard
 
     # ------------------------------------------------------------------ install
@@ -79,7 +104,7 @@ class FsdpRouting:
         """Megatron-FSDP (ZeRO-3): its pipelines call torch.distributed directly, so the routing wraps
         ``AllGatherPipeline.async_bucket_gather`` (qwZ forward, hpZ backward) and
         ``GradReducePipeline._bucket_group_gradient_reduce`` (qgZ), and every weight install
-        (after the optimizer step, after a checkpoint load) invalidates the hpZ copies."""
+        (after the optimizer step, after a checkpoint load) invalidates its own buffer's hpZ copies."""
         try:
             from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as fsdp_buf
         except ImportError:  # Megatron-FSDP needs einops and DTensor; without it there is nothing to hook
@@ -120,7 +145,7 @@ class FsdpRouting:
             # reduction bypasses the routed pipeline are refused here at the latest.
             hooks._check_fsdp_supported(buffer.ddp_config)
             result = originals["copy_main_weights_to_model_weights"](buffer, *args, **kwargs)
-            hooks.invalidate_secondary()
+            hooks.invalidate_secondary(buffer)  # this buffer's copies only (invalidate_secondary)
             return result
 
         gather_cls.async_bucket_gather = async_bucket_gather
@@ -146,11 +171,11 @@ class FsdpRouting:
         """qWD on Megatron-FSDP: the bucket's hpZ secondary copy in the weights' dtype, and this rank's held
         shard (what every replica holds of its own shard)."""
         key = ("qwd", id(pipeline), bucket_id)
-        self._hpz_shards.pop((id(pipeline), bucket_id), None)  # the plain hpZ copy of a suspension (divergence guard)
-        shard = self._hpz_shards.get(key)
+        self._drop_hpz_shard((id(pipeline), bucket_id))  # the plain hpZ copy of a suspension (divergence guard)
+        shard = self._kept_hpz_shard(key, pipeline)
         if shard is None or shard.shard_numel != shard_input.numel() or shard.dtype != shard_input.dtype:
-            shard = self._hpz_shards[key] = HpzShard(topo, shard_input.numel(), shard_input.dtype, "none",
-                                                     device=shard_input.device)
+            shard = self._keep_hpz_shard(key, pipeline, HpzShard(topo, shard_input.numel(), shard_input.dtype,
+                                                                 "none", device=shard_input.device))
             self._held_shards.pop(key, None)  # a new copy is filled by a full-precision gather
         held = self._held_shards.get(key)
         if held is None:
@@ -173,7 +198,7 @@ class FsdpRouting:
             tag = PARAM_BWD_TAG if bwd else PARAM_TAG
             if hooks.policy.param_difference and not difference:  # suspended: resync when qWD resumes
                 hooks._held_shards.pop(("qwd", id(pipeline), bucket_id), None)
-                hooks._hpz_shards.pop(("qwd", id(pipeline), bucket_id), None)
+                hooks._drop_hpz_shard(("qwd", id(pipeline), bucket_id))
             gather_codec, differences = codec, difference
             if differences:
                 topo = hooks.topology(group, hpz=True)

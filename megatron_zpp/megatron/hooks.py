@@ -79,6 +79,7 @@ class MegatronHooks(DdpRouting, FsdpRouting):
                                       if spec != "none" and not get_codec(spec).lossless)
         self._topologies: dict[tuple, Topology] = {}
         self._hpz_shards: dict[tuple[int, int], HpzShard] = {}
+        self._hpz_buffer_of: dict[tuple, int] = {}  # hpZ copy's key -> id() of its Megatron-FSDP weight buffer
         self._held_shards: dict[tuple, HeldShard] = {}  # qWD: (bucket buffer ptr, numel, dtype) -> held shard
         # fp32 weights under a lossy dp.param codec: bucket key -> (the owner's shard view, its exact values), and
         # the keys gathered since the last optimizer step (ddp.py, "the optimizer's own shard")
@@ -177,6 +178,7 @@ class MegatronHooks(DdpRouting, FsdpRouting):
         if weights_change:
             self._held_shards.clear()  # in-flight gathers keep theirs alive until they complete
             self._hpz_shards.clear()
+            self._hpz_buffer_of.clear()
 
     def _unless_suspended(self, spec: str) -> str:
         if self.lossy_suspended and spec in self._lossy_specs:
