@@ -182,10 +182,11 @@ inline __m256i pack32_int8(__m256i a, __m256i b, __m256i c, __m256i d) {
 
 // 32 int8 codes in [-7, 7] -> 16 bytes of nibble pairs (pack_int4: element 2i low, 2i+1 high).
 inline __m128i pack32_int4(__m256i bytes) {
-  // Per 16-bit word w = e[2i] | e[2i+1] << 8: (w & 0x0f) | ((w >> 4) & 0xf0), then narrowed.
-  const __m256i lo = _mm256_and_si256(bytes, _mm256_set1_epi16(0x000f));
-  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi16(0x00f0));
-  const __m256i w = _mm256_or_si256(lo, hi);
+  // Each byte's low nibble n, then per 16-bit word n[2i] * 1 + n[2i+1] * 16 (vpmaddubsw: unsigned bytes times
+  // signed ones, summed in pairs; at most 15 + 240, so exact and unsaturated), then narrowed: the bits of
+  // (e[2i] & 0xf) | (e[2i+1] & 0xf) << 4 for any input bytes, in four instructions instead of six.
+  const __m256i nibbles = _mm256_and_si256(bytes, _mm256_set1_epi8(0x0f));
+  const __m256i w = _mm256_maddubs_epi16(nibbles, _mm256_set1_epi16(0x1001));  // bytes 1, 16 (little-endian)
   return _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
 }
 
@@ -278,25 +279,30 @@ inline void quantize_full_blocks_with(const T* x, int64_t g, int64_t block, int 
 // ---- INT4 codes of 16-bit values by comparison with the block's exact code boundaries ----
 // quant_cpu_avx512.h's Int4Thresholds (its reasoning, its proof) at 8 lanes. Two differences: AVX2 has no
 // embedded rounding, so s * mid_j is rounded to a float by the default mode (nearest) and stepped up one float
-// where it came out below (it never is a float itself, so that is the float above it); and a lookup of index 8
-// wraps to lane 0, which holds +inf for it.
+// where it came out below (it never is a float itself, so that is the float above it); and the table is shifted
+// down one lane (lane j holds T_(j+1), lane 7 +inf), so the estimate e itself indexes it: no add per 8 values.
 // mid_j for j = 0..7 (lane 0 a placeholder), the boundaries' exact multiples of s (quant_cpu_avx512.h): for even
 // j, j - 1/2 - ulp(j - 1/2) / 2; for odd j, j - 1/2 plus half of the ulp above it.
 alignas(64) constexpr double kInt4BoundaryMids[8] = {1.0,          0.5 + 0x1p-25, 1.5 - 0x1p-24, 2.5 + 0x1p-23,
                                                      3.5 - 0x1p-23, 4.5 + 0x1p-22, 5.5 - 0x1p-22, 6.5 + 0x1p-22};
+// The same mids one lane down, for the 8-lane table: lane j holds mid_(j+1) (lane 7 a placeholder, +inf there).
+alignas(32) constexpr double kInt4BoundaryMidsFrom1[8] = {kInt4BoundaryMids[1], kInt4BoundaryMids[2],
+                                                          kInt4BoundaryMids[3], kInt4BoundaryMids[4],
+                                                          kInt4BoundaryMids[5], kInt4BoundaryMids[6],
+                                                          kInt4BoundaryMids[7], 1.0};
 // The estimate's reciprocal, fl(fl(1 / s) * (1 - 2^-20)): below 1 / s by more than its roundings.
 inline float int4_estimate_inverse(float inverse_scale) { return inverse_scale * (1.0f - 0x1p-20f); }
 
 struct Int4Thresholds {
-  __m256 table;    // lane 0: +inf (looked up as index 8); lanes 1..7: T_1..T_7
+  __m256 table;    // lanes 0..6: T_1..T_7; lane 7: +inf (looked up for an estimate of 7)
   __m256 inv_low;  // fl(fl(1 / s) * (1 - 2^-20)), broadcast
   Int4Thresholds() = default;
   Int4Thresholds(float s, float inverse_scale) {
     const __m256d sd = _mm256_set1_pd(static_cast<double>(s));
-    const __m256d d_lo = _mm256_mul_pd(sd, _mm256_load_pd(kInt4BoundaryMids));  // exact
-    const __m256d d_hi = _mm256_mul_pd(sd, _mm256_load_pd(kInt4BoundaryMids + 4));
+    const __m256d d_lo = _mm256_mul_pd(sd, _mm256_load_pd(kInt4BoundaryMidsFrom1));  // exact
+    const __m256d d_hi = _mm256_mul_pd(sd, _mm256_load_pd(kInt4BoundaryMidsFrom1 + 4));
     table = _mm256_blend_ps(_mm256_set_m128(up(d_hi), up(d_lo)),
-                            _mm256_set1_ps(std::numeric_limits<float>::infinity()), 0x01);
+                            _mm256_set1_ps(std::numeric_limits<float>::infinity()), 0x80);
     inv_low = _mm256_set1_ps(int4_estimate_inverse(inverse_scale));
   }
   // The least float above each of 4 doubles that are not floats themselves.
@@ -308,12 +314,11 @@ struct Int4Thresholds {
   }
   static bool applies(float s) { return s >= 0x1p-120f; }  // why: quant_cpu_avx512.h's
   // int32 codes of 8 values (|x| <= the block's absmax, finite): e = rne(|x| * inv_low) is the code of |x| or
-  // one less (quant_cpu_avx512.h), so the code is e + [|x| >= T_(e+1)].
+  // one less (quant_cpu_avx512.h), so the code is e + [|x| >= T_(e+1)], T_(e+1) in lane e (0 <= e <= 7).
   __m256i operator()(__m256 x) const {
     const __m256 ax = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
     const __m256i e = _mm256_cvtps_epi32(_mm256_mul_ps(ax, inv_low));  // nearest even: MXCSR's default mode
-    const __m256i next = _mm256_add_epi32(e, _mm256_set1_epi32(1));
-    const __m256 t = _mm256_permutevar8x32_ps(table, next);
+    const __m256 t = _mm256_permutevar8x32_ps(table, e);
     const __m256i code = _mm256_sub_epi32(e, _mm256_castps_si256(_mm256_cmp_ps(ax, t, _CMP_GE_OQ)));  // - (-1)
     return _mm256_sign_epi32(code, _mm256_castps_si256(x));  // negated for x < 0 (-0.0 too: its code is 0)
   }
