@@ -102,18 +102,20 @@ def median_seconds(fn, repeats: int, device: torch.device) -> float:
     return timed_seconds(fn, repeats, device, "median")
 
 
+def once_seconds(fn, device: torch.device) -> float:
+    """Seconds of one ``fn()``, the device synchronized after it."""
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
 def alternating_seconds(fn, baseline, repeats: int, device: torch.device) -> list[tuple[float, float]]:
     """(seconds of ``fn()``, seconds of the ``baseline()`` right after it) for each of ``repeats`` rounds,
     after one warm-up of each."""
-    def once(f):
-        t0 = time.perf_counter()
-        f()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - t0
-
-    once(fn), once(baseline)
-    return [(once(fn), once(baseline)) for _ in range(repeats)]
+    once_seconds(fn, device), once_seconds(baseline, device)
+    return [(once_seconds(fn, device), once_seconds(baseline, device)) for _ in range(repeats)]
 
 
 def ceiling_rounds(fn, nbytes: int, baseline, repeats: int, device: torch.device) -> list[tuple[float, float]]:
@@ -121,15 +123,7 @@ def ceiling_rounds(fn, nbytes: int, baseline, repeats: int, device: torch.device
     of ``repeats`` rounds: ``fn`` on data held in cache against memcpy on the row's size at the same moment
     (on a shared VM both move by up to 2x within minutes). A batch is about 0.02 s of calls at 10 GB/s."""
     batch = max(3, int(2e8 / nbytes))
-
-    def once(f):
-        t0 = time.perf_counter()
-        f()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - t0
-
-    return [(timed_seconds(fn, batch, device, stat="best"), once(baseline)) for _ in range(repeats)]
+    return [(timed_seconds(fn, batch, device, stat="best"), once_seconds(baseline, device)) for _ in range(repeats)]
 
 
 def make_cases(numel: int, bits: int, dtype: torch.dtype, device: torch.device):
