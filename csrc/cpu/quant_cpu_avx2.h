@@ -282,7 +282,8 @@ inline void quantize_full_blocks_with(const T* x, int64_t g, int64_t block, int 
 // where it came out below (it never is a float itself, so that is the float above it); and the table is shifted
 // down one lane (lane j holds T_(j+1), lane 7 +inf), so the estimate e itself indexes it: no add per 8 values.
 // mid_j for j = 0..7 (lane 0 a placeholder), the boundaries' exact multiples of s (quant_cpu_avx512.h): for even
-// j, j - 1/2 - ulp(j - 1/2) / 2; for odd j, j - 1/2 plus half of the ulp above it.
+// j, j - 1/2 - ulp(j - 1/2) / 2; for odd j, j - 1/2 plus half of the ulp above it. The AVX-512 table reads it as it
+// is (lanes 1..7); this level reads the copy one lane down below.
 alignas(64) constexpr double kInt4BoundaryMids[8] = {1.0,          0.5 + 0x1p-25, 1.5 - 0x1p-24, 2.5 + 0x1p-23,
                                                      3.5 - 0x1p-23, 4.5 + 0x1p-22, 5.5 - 0x1p-22, 6.5 + 0x1p-22};
 // The same mids one lane down, for the 8-lane table: lane j holds mid_(j+1) (lane 7 a placeholder, +inf there).
