@@ -50,13 +50,22 @@ inline uint32_t hmax_epu16(__m256i v) {
   return static_cast<uint32_t>(_mm_cvtsi128_si32(m)) & 0xffffu;
 }
 
+// Asks for the cache lines `ahead` bytes past the 32 values at x (a hint: never faults, past the end either).
+template <typename T>
+inline void prefetch_group(const T* x, int64_t ahead) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(x) + static_cast<uintptr_t>(ahead);
+  for (uintptr_t off = 0; off < 32 * sizeof(T); off += 64) _mm_prefetch(reinterpret_cast<const char*>(at + off), _MM_HINT_T0);
+}
+
 // absmax of n values (n a multiple of 32) and whether one was NaN/Inf: the integer maximum of the
 // magnitude bits, as block_absmax does. 16-bit inputs compare their own 16-bit magnitudes (16 per
 // vector); widening is monotone on magnitudes, so the widened maximum is the block's fp32 absmax.
-inline float absmax(const float* x, int64_t n, bool* nonfinite) {
+// With ahead > 0 (quantize's first pass over a cold input) each group of 32 asks for the lines that far ahead.
+inline float absmax(const float* x, int64_t n, bool* nonfinite, int64_t ahead = 0) {
   const __m256i mask = _mm256_set1_epi32(0x7fffffff);
   __m256i m0 = _mm256_setzero_si256(), m1 = m0, m2 = m0, m3 = m0;
   for (int64_t i = 0; i < n; i += 32) {
+    if (ahead) prefetch_group(x + i, ahead);
     const __m256i* p = reinterpret_cast<const __m256i*>(x + i);
     m0 = _mm256_max_epu32(m0, _mm256_and_si256(_mm256_loadu_si256(p), mask));
     m1 = _mm256_max_epu32(m1, _mm256_and_si256(_mm256_loadu_si256(p + 1), mask));
@@ -69,10 +78,11 @@ inline float absmax(const float* x, int64_t n, bool* nonfinite) {
   std::memcpy(&r, &b, 4);
   return r;
 }
-inline uint32_t absmax_bits16(const void* x, int64_t n) {
+inline uint32_t absmax_bits16(const void* x, int64_t n, int64_t ahead = 0) {
   const __m256i mask = _mm256_set1_epi16(0x7fff);
   __m256i m0 = _mm256_setzero_si256(), m1 = m0;
   for (int64_t i = 0; i < n; i += 32) {
+    if (ahead) prefetch_group(static_cast<const uint16_t*>(x) + i, ahead);
     const __m256i* p = reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(x) + i);
     m0 = _mm256_max_epu16(m0, _mm256_and_si256(_mm256_loadu_si256(p), mask));
     m1 = _mm256_max_epu16(m1, _mm256_and_si256(_mm256_loadu_si256(p + 1), mask));
@@ -92,8 +102,8 @@ inline float absmax_of_bits16(const c10::Half*, uint32_t b, bool* nonfinite) {
   return _cvtsh_ss(static_cast<unsigned short>(b));
 }
 template <typename T>
-inline float absmax(const T* x, int64_t n, bool* nonfinite) {  // bf16, fp16 (the fp32 overload above wins for float)
-  return absmax_of_bits16(x, absmax_bits16(x, n), nonfinite);
+inline float absmax(const T* x, int64_t n, bool* nonfinite, int64_t ahead = 0) {  // bf16, fp16 (the fp32 overload above wins for float)
+  return absmax_of_bits16(x, absmax_bits16(x, n, ahead), nonfinite);
 }
 
 // Nearest-rounded codes of 8 values: quantize_nearest_unchecked lane by lane.
@@ -367,9 +377,10 @@ inline void quantize_full_blocks_by(const T* x, int64_t g, int64_t block, int bi
 }
 
 template <typename T>
-inline void quantize_full_blocks(const T* x, int64_t g, int64_t block, int bits, uint8_t* scales_out, uint8_t* data) {
+inline void quantize_full_blocks(const T* x, int64_t g, int64_t block, int bits, uint8_t* scales_out, uint8_t* data,
+                                 int64_t ahead = 0) {
   quantize_full_blocks_by<Int4Thresholds>(
-      x, g, block, bits, scales_out, data, [](const T* v, int64_t n, bool* nf) { return absmax(v, n, nf); },
+      x, g, block, bits, scales_out, data, [ahead](const T* v, int64_t n, bool* nf) { return absmax(v, n, nf, ahead); },
       [](const T* v, int64_t n, int b, float s, float inv, uint8_t* d) { quantize_nearest(v, n, b, s, inv, d); },
       [](const T* v, int64_t n, const Int4Thresholds& t, uint8_t* d) { quantize_int4(v, n, t, d); });
 }
@@ -542,11 +553,13 @@ inline void hadamard_run(float* v, int log2h) {
 // butterflies up to stride 16 in four registers (strides 1, 2, 4 in lane as in hadamard_run, 8 and
 // 16 between the registers), so a run of up to 32 values never goes through memory between stages;
 // longer runs finish their strides >= 32 in out. Same operations per lane, same stage order.
+// `ahead` as absmax's (quantize's first pass over a cold input, when it rotates).
 template <typename T>
-inline void rotate(const T* x, int64_t n, int log2h, float* out) {
+inline void rotate(const T* x, int64_t n, int log2h, float* out, int64_t ahead = 0) {
   const int h = 1 << log2h;
   const __m256 scale = _mm256_set1_ps(hadamard_scale(log2h));
   for (int64_t i = 0; i < n; i += 32) {
+    if (ahead) prefetch_group(x + i, ahead);
     __m256 v[4];
     for (int j = 0; j < 4; ++j) v[j] = butterflies_in_lanes(load8(x + i + 8 * j));
     if (log2h >= 4) {  // stride 8
