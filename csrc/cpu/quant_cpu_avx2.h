@@ -51,6 +51,7 @@ inline uint32_t hmax_epu16(__m256i v) {
 }
 
 // Asks for the cache lines `ahead` bytes past the 32 values at x (a hint: never faults, past the end either).
+// The address is an integer: a pointer past the end of its buffer (where this may reach) would be undefined in C++.
 template <typename T>
 inline void prefetch_group(const T* x, int64_t ahead) {
   const uintptr_t at = reinterpret_cast<uintptr_t>(x) + static_cast<uintptr_t>(ahead);

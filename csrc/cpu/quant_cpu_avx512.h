@@ -61,7 +61,7 @@ inline __m512 butterflies_in_register(__m512 x, int log2h) {
 // out[0..n) = hadamard_range(x[0..n)) for n a multiple of 32 and of h = 2^log2h >= 8 (avx2::rotate_applies):
 // strides up to 16 in two registers per 32 values, longer runs finish their strides >= 32 in out.
 template <typename T>
-inline void rotate(const T* x, int64_t n, int log2h, float* out) {
+inline void rotate(const T* x, int64_t n, int log2h, float* out, int64_t /*ahead: no prefetch here (unmeasured at this level)*/ = 0) {
   const int h = 1 << log2h;
   const __m512 scale = _mm512_set1_ps(hadamard_scale(log2h));
   for (int64_t i = 0; i < n; i += 32) {
@@ -236,7 +236,8 @@ inline void quantize_int4(const T* x, int64_t n, const Int4Thresholds& codes, ui
 // avx2::quantize_full_blocks at 16 lanes: g <= 8 full blocks of `block` values (a multiple of 32), INT4 blocks
 // of 16-bit values by their thresholds (avx2::quantize_full_blocks_by says why not fp32).
 template <typename T>
-inline void quantize_full_blocks(const T* x, int64_t g, int64_t block, int bits, uint8_t* scales_out, uint8_t* data) {
+inline void quantize_full_blocks(const T* x, int64_t g, int64_t block, int bits, uint8_t* scales_out, uint8_t* data,
+                                 int64_t /*ahead: as rotate's*/ = 0) {
   avx2::quantize_full_blocks_by<Int4Thresholds>(
       x, g, block, bits, scales_out, data, [](const T* v, int64_t n, bool* nf) { return absmax(v, n, nf); },
       [](const T* v, int64_t n, int b, float s, float inv, uint8_t* d) { quantize_nearest(v, n, b, s, inv, d); },

@@ -119,16 +119,12 @@ struct Widened<float> {  // fp32: used in place
 template <typename T>
 struct Rotated {
   std::vector<float> buf;
-  float* operator()(const T* x, int64_t n, int log2h, int64_t ahead = 0) {
+  // ahead: the rotation's prefetch distance (avx2::rotate; kQuantizeAheadBytes), 0 for none.
+  float* operator()(const T* x, int64_t n, int log2h, [[maybe_unused]] int64_t ahead = 0) {
     if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
 #if ZPP_CPU_ISA_AVX2
     if (avx2::rotate_applies(n, log2h)) {  // widened and rotated in registers, one pass
-#if ZPP_CPU_ISA_AVX512
-      (void)ahead;
-      wide::rotate(x, n, log2h, buf.data());
-#else
-      avx2::rotate(x, n, log2h, buf.data(), ahead);
-#endif
+      wide::rotate(x, n, log2h, buf.data(), ahead);
       return buf.data();
     }
 #endif
@@ -201,15 +197,16 @@ inline void divide_to_half(const float* acc, int64_t n, float divisor, c10::Half
 // task start, small enough to balance blocks over two or more threads.
 constexpr int64_t kGrainElements = 1 << 15;
 
-// quantize's prefetch distance at x86-64-v3 (quantize_rows_kernel): the first pass over a step's input asks
-// for the line this far past each group of 32 values it reads. Why: on an AVX2-only AMD Zen 3 VM (2 threads,
-// cold inputs of 16M and 64M values, medians of 4 alternating rounds) the earlier scheme, the whole next step
-// asked for at the step's start, ran 10-25% slower: quantize INT4 bf16 0.57 / 0.56x memcpy against 0.66 / 0.66x,
-// INT8 bf16 0.59 / 0.56 against 0.64 / 0.70, Hadamard INT8 fp32 0.54 / 0.55 against 0.66 / 0.66, Hadamard INT4
-// fp32 0.57 / 0.48 against 0.61 / 0.60; fp32 without the rotation level (docs/bench/2026-12-02-quantize-prefetch).
-// Of 2048, 4096, 8192 and 16384 bytes (3 alternating rounds each), 4096 to 16384 measured alike within the rounds'
-// spread, and 2048 lower for the rotated quantize. (Why asking for a whole step at once does worse is not
-// measured: probably its up to 128 prefetches queue at once ahead of the loop's own loads.)
+// quantize's prefetch distance at x86-64-v3 (quantize_rows_kernel): the first pass over a step's input asks for the
+// line this far past each group of 32 values it reads. Software prefetch at all because, on an AVX2-only AMD Zen 3
+// VM, the hardware prefetcher alone left quantize INT4 and INT8 bf16 10-20% slower on cold inputs of 16M values, and
+// the Hadamard quantize lower in 7 of 8 rows (docs/bench/2026-12-01-codecs-ceiling, the variant without it). This distance and spread because the earlier scheme, the whole next step asked for at the
+// step's start, looked only one step ahead: 2 KiB for INT4 bf16 at block 128, 8 KiB for INT8 fp32 at block 256.
+// Against a build of that scheme (f0bcace; 2 threads, cold inputs of 16M / 64M values, medians of 4 alternating
+// rounds) the Hadamard quantize of fp32 runs 12-28% faster (INT8 0.52 / 0.50x memcpy -> 0.63 / 0.64, INT4 0.51 / 0.51
+// -> 0.57 / 0.61) and quantize INT4 bf16 at 64M 17% (0.48 -> 0.56); the other rows are not resolved either way
+// (docs/bench/2026-12-02-quantize-prefetch). Of 2048, 4096, 8192 and 16384 bytes, 4096 to 16384 measured alike
+// within the rounds' spread and 2048 lower for the rotated fp32 quantize; max(4096, one step) no better.
 constexpr int64_t kQuantizeAheadBytes = 4096;
 
 inline int64_t grain_blocks(int64_t block) { return std::max<int64_t>(1, kGrainElements / block); }
@@ -391,17 +388,13 @@ void quantize_rows_kernel(const T* x, uint8_t* packed, int64_t rows, int64_t len
           // past each group of 32 values it reads (a hint: it never faults past the end).
           const int64_t ahead = kQuantizeAheadBytes;
 #else
-          const int64_t ahead = 0;  // x86-64-v4: unmeasured there; the loops take no distance
+          const int64_t ahead = 0;  // x86-64-v4: no software prefetch (unmeasured there)
 #endif
           if (log2h) {
             wide::quantize_full_blocks(rotated(src, g * block, log2h, ahead), g, block, bits, row + 4 * k,
                                        data + k * block * bits / 8);
           } else {
-#if !ZPP_CPU_ISA_AVX512
             wide::quantize_full_blocks(src, g, block, bits, row + 4 * k, data + k * block * bits / 8, ahead);
-#else
-            wide::quantize_full_blocks(src, g, block, bits, row + 4 * k, data + k * block * bits / 8);
-#endif
           }
           b += g - 1;
           k += g;
