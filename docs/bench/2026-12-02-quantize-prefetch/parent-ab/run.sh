@@ -10,7 +10,7 @@ for r in 1 2 3 4; do
     .venv/bin/python tools/bench_codecs.py --sizes 16M,64M --repeats 5 --dtypes fp32,bf16 --ops quantize,quantize_h \
       --ref-repeats 0 --json $OUT/dram/r${r}_a$arm.json > $OUT/dram/r${r}_a$arm.txt 2>&1
     echo -n "$arm " >> $OUT/incache/out.txt
-    .venv/bin/python $OUT/incache/incache.py . 1 2>&1 | grep -v Warn >> $OUT/incache/out.txt
+    .venv/bin/python docs/bench/2026-12-02-quantize-prefetch/incache.py quantize 1 2>&1 | grep -v Warn >> $OUT/incache/out.txt
   done
 done
 cp /tmp/so_new.so $SO
