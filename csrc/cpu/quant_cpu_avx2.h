@@ -50,12 +50,17 @@ inline uint32_t hmax_epu16(__m256i v) {
   return static_cast<uint32_t>(_mm_cvtsi128_si32(m)) & 0xffffu;
 }
 
-// Asks for the cache lines `ahead` bytes past the 32 values at x (a hint: never faults, past the end either).
-// The address is an integer: a pointer past the end of its buffer (where this may reach) would be undefined in C++.
+// Asks for the cache lines of [start + from, start + to). The address is an integer: a pointer past the end of
+// its buffer (where this may reach) would be undefined in C++.
+inline void prefetch_bytes(uintptr_t start, int64_t from, int64_t to) {
+  for (int64_t off = from; off < to; off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(start + static_cast<uintptr_t>(off)), _MM_HINT_T0);
+}
+// The lines `ahead` bytes past the 32 values at x (a hint: never faults, past the end either).
 template <typename T>
 inline void prefetch_group(const T* x, int64_t ahead) {
-  const uintptr_t at = reinterpret_cast<uintptr_t>(x) + static_cast<uintptr_t>(ahead);
-  for (uintptr_t off = 0; off < 32 * sizeof(T); off += 64) _mm_prefetch(reinterpret_cast<const char*>(at + off), _MM_HINT_T0);
+  // (From 0 to a constant, so the loop unrolls: one or two prefetches.)
+  prefetch_bytes(reinterpret_cast<uintptr_t>(x) + static_cast<uintptr_t>(ahead), 0, 32 * sizeof(T));
 }
 
 // absmax of n values (n a multiple of 32) and whether one was NaN/Inf: the integer maximum of the
@@ -424,12 +429,6 @@ inline void int4_codes32(const uint8_t* data, int64_t i, __m256 v[4]) {
 // bucket over 8 ranks of a node gives rows of 5M). 512 bytes measured best of 512 to 4096, and the T1 and NTA
 // hints no better. (A hint only: it never faults, past the end of a row either.)
 constexpr int64_t kPrefetchBytes = 512;
-// Asks for the cache lines of [start + from, start + to). The address is an integer: a pointer past the end of
-// its buffer (where this may reach) would be undefined in C++.
-inline void prefetch_bytes(uintptr_t start, int64_t from, int64_t to) {
-  for (int64_t off = from; off < to; off += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(start + static_cast<uintptr_t>(off)), _MM_HINT_T0);
-}
 inline void prefetch_ahead(const uint8_t* const* rows, int64_t chunks, int64_t nb, int bits, int64_t e, int64_t stop) {
   for (int64_t c = 0; c < chunks; ++c)
     prefetch_bytes(reinterpret_cast<uintptr_t>(rows[c]) + static_cast<uintptr_t>(4 * nb + kPrefetchBytes),

@@ -200,8 +200,9 @@ constexpr int64_t kGrainElements = 1 << 15;
 // quantize's prefetch distance at x86-64-v3 (quantize_rows_kernel): the first pass over a step's input asks for the
 // line this far past each group of 32 values it reads. Software prefetch at all because, on an AVX2-only AMD Zen 3
 // VM, the hardware prefetcher alone left quantize INT4 and INT8 bf16 10-20% slower on cold inputs of 16M values, and
-// the Hadamard quantize lower in 7 of 8 rows (docs/bench/2026-12-01-codecs-ceiling, the variant without it). This distance and spread because the earlier scheme, the whole next step asked for at the
-// step's start, looked only one step ahead: 2 KiB for INT4 bf16 at block 128, 8 KiB for INT8 fp32 at block 256.
+// the Hadamard quantize lower in 7 of 8 rows (docs/bench/2026-12-01-codecs-ceiling, the variant without it). This
+// distance and spread because the earlier scheme, the whole next step asked for at the step's start, looked only
+// one step ahead: 2 KiB for INT4 bf16 at block 128, 8 KiB for INT8 fp32 at block 256.
 // Against a build of that scheme (f0bcace; 2 threads, cold inputs of 16M / 64M values, medians of 4 alternating
 // rounds) the Hadamard quantize of fp32 runs 12-28% faster (INT8 0.52 / 0.50x memcpy -> 0.63 / 0.64, INT4 0.51 / 0.51
 // -> 0.57 / 0.61) and quantize INT4 bf16 at 64M 17% (0.48 -> 0.56); the other rows are not resolved either way
@@ -383,13 +384,10 @@ void quantize_rows_kernel(const T* x, uint8_t* packed, int64_t rows, int64_t len
         const int64_t g = std::min<int64_t>({8, length / block - k, b1 - b});
         if (g > 0) {
           const T* src = x + r * length + k * block;
-#if !ZPP_CPU_ISA_AVX512
           // The first pass over the input (the absmax, or the rotation) asks for the line kQuantizeAheadBytes
-          // past each group of 32 values it reads (a hint: it never faults past the end).
+          // past each group of 32 values it reads (a hint: it never faults past the end). x86-64-v4's loops
+          // take the distance and ignore it: no software prefetch there, where it is unmeasured.
           const int64_t ahead = kQuantizeAheadBytes;
-#else
-          const int64_t ahead = 0;  // x86-64-v4: no software prefetch (unmeasured there)
-#endif
           if (log2h) {
             wide::quantize_full_blocks(rotated(src, g * block, log2h, ahead), g, block, bits, row + 4 * k,
                                        data + k * block * bits / 8);
